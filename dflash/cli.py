@@ -1,0 +1,99 @@
+"""`dflash` command line. Exit codes: 0 done, 1 failure, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import traceback
+
+from dflash.errors import BadInput
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash", description="Train DFlash speculative-decoding drafters.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a drafter from a YAML run config")
+    t.add_argument("config", help="YAML run config (see configs/)")
+    t.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optim.lr=3e-4")
+    t.add_argument("--check", action="store_true", help="validate the config and exit")
+
+    d = sub.add_parser("doctor", help="report torch/CUDA/GPUs/NCCL and the hybrid-kernel fast path")
+    d.add_argument("--require-fast-path", action="store_true", help="exit 1 unless the fast kernels run")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+
+    e = sub.add_parser("export", help="export a checkpoint for serving engines")
+    e.add_argument("checkpoint", help="run dir, checkpoints dir or step-N dir")
+    e.add_argument("out", help="new output directory")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+    s = sub.add_parser("synth-data", help="write a JSONL file of the synthetic counting language")
+    s.add_argument("out")
+    s.add_argument("--num-samples", type=int, default=2000)
+    s.add_argument("--num-words", type=int, default=64)
+    s.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _cmd_train(args) -> int:
+    from dflash.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.check:
+        print(f"config OK: {args.config}")
+        return EXIT_OK
+    from dflash.launch import run_training
+
+    return run_training(config, args.config, args.overrides)
+
+
+def _cmd_doctor(args) -> int:
+    from dflash import doctor
+
+    info = doctor.collect()
+    print(json.dumps(info, indent=2) if args.json else doctor.render(info))
+    if args.require_fast_path and not info["fast_path"]:
+        print("dflash: error: the hybrid-target fast path is not available (see above); install "
+              "flash-linear-attention and causal-conv1d", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _cmd_export(args) -> int:
+    from dflash.export import export
+
+    out = export(args.checkpoint, args.out, args.dtype)
+    print(f"exported drafter to {out}")
+    return EXIT_OK
+
+
+def _cmd_synth(args) -> int:
+    from dflash.data.synthetic import generate_conversations, write_jsonl
+
+    rows = generate_conversations(args.num_samples, args.num_words, 16, 48, [1, 2], args.seed)
+    print(f"wrote {len(rows)} samples to {write_jsonl(args.out, rows)}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "synth-data": _cmd_synth}
+    try:
+        return handler[args.command](args)
+    except BadInput as exc:
+        print(f"dflash: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    except Exception:
+        traceback.print_exc()
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Length buckets, token-budget batches, and a resumable sampler that visits buckets round-robin."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def bucket_length(length: int, bucket_size: int, max_length: int) -> int:
+    return min(max_length, math.ceil(length / bucket_size) * bucket_size)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (b, L) padded to the bucket length
+    loss_mask: torch.Tensor  # (b, L) bool
+    attention_mask: torch.Tensor  # (b, L) long
+    lengths: torch.Tensor  # (b,)
+    indices: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def to(self, device) -> Batch:
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
+                     self.lengths.to(device), self.indices)
+
+
+class RoundRobinBatchSampler:
+    """Each epoch: shuffle inside every bucket, cut batches of `token_budget // bucket_length` sequences,
+    then emit one batch per bucket in turn, so rare lengths are not starved by a random pool draw.
+
+    Deterministic in (seed, epoch), so the data position (epoch, index) is all that resume needs.
+    With `world_size > 1` each rank takes every world_size-th batch (equal counts across ranks).
+    """
+
+    def __init__(self, lengths: list[int], token_budget: int, bucket_size: int, max_length: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        self.token_budget = token_budget
+        self.seed = seed
+        self.rank, self.world_size = rank, world_size
+        self.buckets: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            self.buckets.setdefault(bucket_length(n, bucket_size, max_length), []).append(i)
+        self.epoch = 0
+        self.index = 0  # batches of this epoch already consumed by this rank
+        self._cache: tuple[int, list[tuple[int, list[int]]]] | None = None
+
+    def batch_size(self, bucket_len: int) -> int:
+        return max(1, self.token_budget // bucket_len)
+
+    def epoch_batches(self, epoch: int) -> list[tuple[int, list[int]]]:
+        """[(bucket_length, indices)] for this rank, in visiting order."""
+        if self._cache and self._cache[0] == epoch:
+            return self._cache[1]
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        queues = []
+        for blen in sorted(self.buckets):
+            members = self.buckets[blen]
+            perm = [members[j] for j in torch.randperm(len(members), generator=g).tolist()]
+            bs = self.batch_size(blen)
+            queues.append([(blen, perm[i:i + bs]) for i in range(0, len(perm), bs)])
+        order = []
+        while any(queues):
+            for q in queues:
+                if q:
+                    order.append(q.pop(0))
+        per_rank = len(order) // self.world_size
+        mine = order[self.rank::self.world_size][:per_rank] if self.world_size > 1 else order
+        self._cache = (epoch, mine)
+        return mine
+
+    def batches_per_epoch(self) -> int:
+        return len(self.epoch_batches(self.epoch))
+
+    def next(self) -> tuple[int, int, list[int]]:
+        """(epoch, bucket_length, indices) of the next batch; advances the position."""
+        batches = self.epoch_batches(self.epoch)
+        if self.index >= len(batches):
+            self.epoch += 1
+            self.index = 0
+            batches = self.epoch_batches(self.epoch)
+            if not batches:
+                raise RuntimeError("the dataset yields no batch for this rank; add data or lower the rank count")
+        blen, idx = batches[self.index]
+        self.index += 1
+        return self.epoch, blen, idx
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.seed = int(state.get("seed", self.seed))
+        self._cache = None
+
+
+def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], length: int,
+            pad_id: int) -> Batch:
+    b = len(indices)
+    ids = torch.full((b, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, length), dtype=torch.bool)
+    attn = torch.zeros((b, length), dtype=torch.long)
+    lengths = torch.zeros(b, dtype=torch.long)
+    for row, i in enumerate(indices):
+        sid, smask = samples[i]
+        n = min(sid.numel(), length)
+        ids[row, :n] = sid[:n]
+        mask[row, :n] = smask[:n]
+        attn[row, :n] = 1
+        lengths[row] = n
+    return Batch(ids, mask, attn, lengths, list(indices))

@@ -1,0 +1,82 @@
+"""`dflash doctor`: torch/CUDA/GPU visibility, NCCL, and whether hybrid targets run on the fast kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dflash.models.target import FastPathReport, Target, kernels_importable
+
+# A tiny hybrid target (3 GatedDeltaNet : 1 attention) whose single forward shows which kernels run.
+PROBE_HYBRID = {
+    "model_type": "qwen3_next", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 0,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+}
+
+
+def probe_fast_path(device: torch.device) -> FastPathReport:
+    from dflash.models.target import build_hf_model
+
+    try:
+        model = build_hf_model(None, dict(PROBE_HYBRID), "bfloat16" if device.type == "cuda" else "float32")
+    except Exception as exc:  # transformers without qwen3_next
+        fla, conv = kernels_importable()
+        return FastPathReport(hybrid=True, fla_importable=fla, causal_conv1d_importable=conv,
+                              kernels_seen=[f"probe model unavailable: {exc}"])
+    target = Target(model.to(device), [model.config.num_hidden_layers - 1])
+    return target.fast_path_report(probe_on_device=True)
+
+
+def collect() -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+                            "cuda_version": torch.version.cuda}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        info["transformers"] = None
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                         "capability": f"{p.major}.{p.minor}"})
+        try:
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # pragma: no cover - builds without NCCL
+            info["nccl"] = None
+    info["gpus"] = gpus
+    info["distributed_backends"] = {"gloo": torch.distributed.is_gloo_available(),
+                                    "nccl": torch.distributed.is_nccl_available()}
+    fla, conv = kernels_importable()
+    info["flash_linear_attention"] = fla
+    info["causal_conv1d"] = conv
+    if torch.cuda.is_available():
+        report = probe_fast_path(torch.device("cuda", 0))
+        info["fast_path"] = report.fast
+        info["fast_path_detail"] = report.describe()
+    else:
+        info["fast_path"] = fla and conv
+        info["fast_path_detail"] = ("no GPU: kernels " + ("importable" if fla and conv else "missing")
+                                    + "; the CUDA kernels cannot be exercised here")
+    return info
+
+
+def render(info: dict[str, Any]) -> str:
+    lines = [f"torch {info['torch']} (CUDA {info['cuda_version']}), transformers {info['transformers']}"]
+    if info["gpus"]:
+        for g in info["gpus"]:
+            lines.append(f"GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, sm_{g['capability'].replace('.', '')}")
+        lines.append(f"NCCL {info.get('nccl')}")
+    else:
+        lines.append("GPUs: none visible")
+    lines.append(f"distributed backends: {info['distributed_backends']}")
+    lines.append(f"flash-linear-attention: {'yes' if info['flash_linear_attention'] else 'no'}; "
+                 f"causal-conv1d: {'yes' if info['causal_conv1d'] else 'no'}")
+    lines.append(f"hybrid fast path: {'YES' if info['fast_path'] else 'NO'} ({info['fast_path_detail']})")
+    return "\n".join(lines)

@@ -1,0 +1,17 @@
+"""Error types that the CLI maps to exit codes (2 = bad input, 1 = failure)."""
+
+
+class DflashError(Exception):
+    """Base class of the errors dflash reports as one readable line."""
+
+
+class BadInput(DflashError):
+    """The user's input (config, data, paths) is wrong; the message names it and the fix. Exit code 2."""
+
+
+class ConfigError(BadInput):
+    """A configuration key is unknown, has the wrong type or an impossible value."""
+
+
+class DataError(BadInput):
+    """A dataset is missing or malformed."""

@@ -1,0 +1,147 @@
+"""Anchors, blocks, labels, the decayed cross-entropy and the acceptance metrics (DESIGN §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class Blocks:
+    """Training blocks of one batch; m = number of anchor slots per sequence (fixed shape)."""
+
+    anchors: torch.Tensor  # (b, m) long: anchor positions (0 for empty slots)
+    anchor_valid: torch.Tensor  # (b, m) bool
+    block_ids: torch.Tensor  # (b, m, B): [x_a, MASK, ...]
+    labels: torch.Tensor  # (b, m, B-1): x_{a+k}, k = 1..B-1
+    label_valid: torch.Tensor  # (b, m, B-1) bool: inside the sequence and in the loss mask
+
+
+def valid_anchor_positions(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions a whose first label x_{a+1} is a loss (assistant) token. loss_mask: (T,) bool."""
+    if length < 2:
+        return torch.empty(0, dtype=torch.long)
+    return torch.nonzero(loss_mask[1:length], as_tuple=False).flatten()  # index i means a = i
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` anchors per sequence, without replacement, sorted; padded slots invalid."""
+    b = loss_mask.shape[0]
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
+    valid = torch.zeros(b, num_anchors, dtype=torch.bool)
+    for i in range(b):
+        candidates = valid_anchor_positions(loss_mask[i].cpu(), int(lengths[i]))
+        if candidates.numel() == 0:
+            continue
+        take = min(num_anchors, candidates.numel())
+        pick = candidates[torch.randperm(candidates.numel(), generator=generator)[:take]]
+        anchors[i, :take] = pick.sort().values
+        valid[i, :take] = True
+    return anchors, valid
+
+
+def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                 anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int,
+                 mask_token_id: int) -> Blocks:
+    """Block j = [x_{a_j}, MASK*(B-1)]; label k (1..B-1) = x_{a_j+k}, valid iff inside and in the loss mask."""
+    b, t = input_ids.shape
+    device = input_ids.device
+    anchors = anchors.to(device)
+    anchor_valid = anchor_valid.to(device)
+    offsets = torch.arange(1, block_size, device=device)
+    pos = anchors[:, :, None] + offsets  # (b, m, B-1)
+    inside = pos < lengths.to(device)[:, None, None]
+    pos_c = pos.clamp(max=t - 1)
+    labels = torch.gather(input_ids[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos_c)
+    in_loss = torch.gather(loss_mask.to(device)[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos_c)
+    label_valid = inside & in_loss.bool() & anchor_valid[:, :, None]
+    first = torch.gather(input_ids, 1, anchors)
+    block_ids = torch.full((b, anchors.shape[1], block_size), mask_token_id, dtype=input_ids.dtype, device=device)
+    block_ids[:, :, 0] = first
+    return Blocks(anchors, anchor_valid, block_ids, labels, label_valid)
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k = 1..B-1."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def _ce_chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
+    logits = (hidden @ weight.t()).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * w).sum(), logits.argmax(-1) == labels
+
+
+def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, blocks: Blocks, gamma: float,
+                        chunk_size: int = 4096):
+    """Decayed CE over valid positions, divided by the sum of their weights; logits built in chunks.
+
+    hidden: (b, m, B, H) drafter outputs. Returns (loss, correct (b, m, B-1) bool).
+    Each chunk's logits are recomputed in backward (checkpoint), so full-vocabulary logits for all block
+    positions never exist at once.
+    """
+    b, m, bs, h = hidden.shape
+    pred = hidden[:, :, 1:, :]  # positions 1..B-1 predict x_{a+k}
+    valid = blocks.label_valid
+    w_pos = position_weights(bs, gamma, hidden.device)
+    rows = pred[valid]  # (N, H)
+    labels = blocks.labels[valid]
+    w = w_pos.expand(b, m, -1)[valid]
+    correct = torch.zeros_like(valid)
+    if rows.shape[0] == 0:
+        return hidden.sum() * 0.0, correct
+    total = rows.new_zeros((), dtype=torch.float32)
+    hits = []
+    for start in range(0, rows.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        if torch.is_grad_enabled() and rows.requires_grad:
+            part, hit = checkpoint(_ce_chunk, rows[sl], lm_head_weight, labels[sl], w[sl], use_reentrant=False)
+        else:
+            part, hit = _ce_chunk(rows[sl], lm_head_weight, labels[sl], w[sl])
+        total = total + part
+        hits.append(hit)
+    correct[valid] = torch.cat(hits)
+    return total / w.sum(), correct
+
+
+@dataclass
+class BlockStats:
+    """Sums, so that batches and ranks can be added before dividing."""
+
+    correct_per_pos: torch.Tensor  # (B-1,)
+    valid_per_pos: torch.Tensor  # (B-1,)
+    accepted_sum: torch.Tensor  # () sum over blocks of leading correct predictions
+    num_blocks: torch.Tensor  # ()
+
+    @classmethod
+    def of(cls, correct: torch.Tensor, blocks: Blocks) -> BlockStats:
+        hit = (correct & blocks.label_valid).float()
+        accepted = torch.cumprod(hit, dim=-1).sum(-1)  # leading correct predictions per block
+        return cls(hit.sum((0, 1)), blocks.label_valid.float().sum((0, 1)),
+                   accepted[blocks.anchor_valid].sum(), blocks.anchor_valid.float().sum())
+
+    def __add__(self, other: BlockStats) -> BlockStats:
+        return BlockStats(self.correct_per_pos + other.correct_per_pos, self.valid_per_pos + other.valid_per_pos,
+                          self.accepted_sum + other.accepted_sum, self.num_blocks + other.num_blocks)
+
+    def to_vector(self) -> torch.Tensor:
+        return torch.cat([self.correct_per_pos, self.valid_per_pos, self.accepted_sum[None], self.num_blocks[None]])
+
+    @classmethod
+    def from_vector(cls, v: torch.Tensor) -> BlockStats:
+        n = (v.numel() - 2) // 2
+        return cls(v[:n], v[n:2 * n], v[2 * n], v[2 * n + 1])
+
+    @property
+    def accuracy(self) -> list[float]:
+        return (self.correct_per_pos / self.valid_per_pos.clamp(min=1)).tolist()
+
+    @property
+    def tau(self) -> float:
+        """Simulated acceptance length: 1 + mean leading correct predictions per block."""
+        return 1.0 + float(self.accepted_sum / self.num_blocks.clamp(min=1))

@@ -1,0 +1,197 @@
+"""The frozen target: tapped-layer hidden states via forward hooks, backbone only, early stop."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.errors import BadInput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _StopForward(Exception):
+    """Raised by the hook of the deepest tapped layer: nothing after it is needed."""
+
+
+@dataclass
+class FastPathReport:
+    """Whether a hybrid target's GatedDeltaNet layers run on the fast kernels."""
+
+    hybrid: bool
+    linear_layers: int = 0
+    total_layers: int = 0
+    fla_importable: bool = False
+    causal_conv1d_importable: bool = False
+    kernels_seen: list[str] = field(default_factory=list)  # CUDA kernel names observed in one forward
+    checked_on_device: bool = False
+
+    @property
+    def fast(self) -> bool:
+        if not self.hybrid:
+            return True
+        if not (self.fla_importable and self.causal_conv1d_importable):
+            return False
+        return not self.checked_on_device or bool(self.kernels_seen)
+
+    def describe(self) -> str:
+        if not self.hybrid:
+            return "dense target: no linear-attention kernels needed"
+        parts = [
+            f"{self.linear_layers} of {self.total_layers} layers are GatedDeltaNet",
+            f"flash-linear-attention {'importable' if self.fla_importable else 'MISSING'}",
+            f"causal-conv1d {'importable' if self.causal_conv1d_importable else 'MISSING'}",
+        ]
+        if self.checked_on_device:
+            parts.append("fast kernels ran: " + (", ".join(self.kernels_seen) or "none"))
+        parts.append("FAST path" if self.fast else "SLOW reference PyTorch path")
+        return "; ".join(parts)
+
+
+def kernels_importable() -> tuple[bool, bool]:
+    return (importlib.util.find_spec("fla") is not None, importlib.util.find_spec("causal_conv1d") is not None)
+
+
+def _find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return name, module
+    raise BadInput(f"cannot find the decoder layer list ({num_layers} layers) in {type(model).__name__}")
+
+
+def _text_config(config: Any) -> Any:
+    return getattr(config, "text_config", None) or config
+
+
+class Target(nn.Module):
+    """Wraps a Hugging Face causal LM; `features(input_ids, attention_mask)` returns the tapped states.
+
+    Hooks sit on the tapped layers only; the hook of the deepest one stops the forward, so later layers,
+    the final norm and the LM head never run.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        text_config = _text_config(model.config)
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(text_config.hidden_size)
+        self.layer_ids = sorted(layer_ids)
+        layers_name, self.layers = _find_layers(model, self.num_layers)
+        owner_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
+        self.backbone = model.get_submodule(owner_name) if owner_name else model
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, index: int):
+        deepest = index == self.layer_ids[-1]
+
+        def hook(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            self._captured[index] = hidden
+            if deepest:
+                raise _StopForward
+
+        return hook
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed_tokens.weight.shape[0])
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenated hidden states of the tapped layers: (batch, seq, n_tapped * hidden)."""
+        self._captured.clear()
+        try:
+            self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        missing = [i for i in self.layer_ids if i not in self._captured]
+        if missing:  # pragma: no cover - would mean the model skipped layers
+            raise RuntimeError(f"target layers {missing} did not run")
+        out = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return out
+
+    def linear_attention_layers(self) -> int:
+        return sum(1 for m in self.model.modules() if "GatedDeltaNet" in type(m).__name__)
+
+    def fast_path_report(self, probe_on_device: bool = True) -> FastPathReport:
+        linear = self.linear_attention_layers()
+        fla_ok, conv_ok = kernels_importable()
+        report = FastPathReport(hybrid=linear > 0, linear_layers=linear, total_layers=self.num_layers,
+                                fla_importable=fla_ok, causal_conv1d_importable=conv_ok)
+        device = self.embed_tokens.weight.device
+        if report.hybrid and probe_on_device and device.type == "cuda":
+            report.kernels_seen = self._probe_kernels(device)
+            report.checked_on_device = True
+        return report
+
+    def _probe_kernels(self, device: torch.device) -> list[str]:
+        """Run one small forward under the profiler and list the fast linear-attention kernels that ran."""
+        from torch.profiler import ProfilerActivity, profile
+
+        ids = torch.randint(0, self.vocab_size, (1, 64), device=device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.features(ids)
+            torch.cuda.synchronize(device)
+        names = {evt.key for evt in prof.key_averages()}
+        wanted = ("chunk_gated_delta", "causal_conv1d", "fused_recurrent", "chunk_fwd", "conv1d_fwd")
+        return sorted({n for n in names if any(w in n.lower() for w in wanted)})[:8]
+
+
+def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: str,
+                   attn_implementation: str | None = None, seed: int = 0) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if path is not None:
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"target.path '{path}' could not be loaded as a causal LM: {exc}") from None
+    assert random_init is not None
+    spec = dict(random_init)
+    model_type = spec.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **spec)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise BadInput(f"target.random_init: transformers cannot build a '{model_type}' config: {exc}") from None
+    devices_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    finally:
+        torch.random.set_rng_state(devices_state)
+    return model
+
+
+def num_layers_of(path: str | None, random_init: dict[str, Any] | None) -> int:
+    """Depth of the target without loading weights (for config validation)."""
+    if random_init is not None:
+        from transformers import AutoConfig
+
+        spec = dict(random_init)
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return int(_text_config(config).num_hidden_layers)

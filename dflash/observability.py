@@ -1,0 +1,80 @@
+"""Human log line, JSON lines, heartbeat file and TensorBoard scalars (the trainer's runtime contract)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class RunObserver:
+    """Only the reporting rank writes; others construct it with `enabled=False`."""
+
+    def __init__(self, output_dir: str | os.PathLike, tensorboard: bool = False, enabled: bool = True):
+        self.dir = Path(output_dir)
+        self.enabled = enabled
+        self.heartbeat_path = self.dir / "heartbeat.json"
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def heartbeat(self, step: int, epoch: int, status: str, **extra: Any) -> None:
+        if not self.enabled:
+            return
+        atomic_write_json(self.heartbeat_path, {"step": step, "epoch": epoch, "time": time.time(),
+                                                "pid": os.getpid(), "status": status,
+                                                "loss": extra.get("loss"), "tau": extra.get("tau"),
+                                                "tokens_per_s": extra.get("tokens_per_s")})
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        acc = record.get("acc") or []
+        acc_text = " ".join(f"acc@{k + 1} {a:.3f}" for k, a in enumerate(acc[:3]))
+        line = (f"step {record['step']} epoch {record['epoch']} loss {record['loss']:.4f} {acc_text} "
+                f"tau {record['tau']:.3f} tok/s {record['tokens_per_s']:.0f} lr {record['lr']:.2e} "
+                f"mem {record.get('mem_gib', 0.0):.2f}GiB")
+        if record.get("mfu") is not None:
+            line += f" mfu {record['mfu']:.1%}"
+        print(line, flush=True)
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps({**record, "time": time.time()}) + "\n")
+        if self._tb is not None:
+            step = record["step"]
+            for key in ("loss", "tau", "tokens_per_s", "lr", "mem_gib", "mfu"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
+            for k, a in enumerate(acc):
+                self._tb.add_scalar(f"acc/pos{k + 1}", a, step)
+            self._tb.flush()
+
+    def event(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self._tb is not None:
+            self._tb.add_scalar(tag, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def warn(message: str) -> None:
+    print(f"dflash: warning: {message}", file=sys.stderr, flush=True)

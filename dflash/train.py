@@ -1,0 +1,418 @@
+"""The training loop: target features -> anchors/blocks -> drafter -> decayed CE -> AdamW step.
+
+Read top to bottom: `Trainer.setup()` builds every component, `Trainer.run()` loops over `train_step()`.
+Distributed topologies (dflash.distributed) reuse these pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.checkpoint import CheckpointManager, ensure_writable, load_trainer_state, save_trainer_state
+from dflash.config import RunConfig, default_gamma, resolved_layer_ids
+from dflash.data.buckets import Batch, RoundRobinBatchSampler, collate
+from dflash.data.chat import TokenizedSet, load_tokenized, tokenize_conversations
+from dflash.errors import BadInput, DataError
+from dflash.loss import BlockStats, build_blocks, sample_anchors, weighted_block_loss
+from dflash.models.attention import compiled_flex_attention, resolve_kind
+from dflash.models.drafter import Drafter, arch_from_target
+from dflash.models.target import Target, build_hf_model, num_layers_of
+from dflash.observability import RunObserver, warn
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise BadInput("runtime.device is 'cuda' but no CUDA GPU is visible; check CUDA_VISIBLE_DEVICES "
+                           "or set runtime.device=cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def load_tokenizer(config: RunConfig):
+    if config.tokenizer.synthetic_vocab_size is not None:
+        from dflash.data.synthetic import build_tokenizer
+
+        return build_tokenizer(config.tokenizer.synthetic_vocab_size)
+    path = config.tokenizer.path or config.target.path
+    if path is None:
+        raise BadInput("tokenizer: set tokenizer.path (a local tokenizer directory) or "
+                       "tokenizer.synthetic_vocab_size (random-weight targets have no tokenizer of their own)")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"tokenizer '{path}' could not be loaded: {exc}") from None
+    if not getattr(tok, "chat_template", None):
+        raise BadInput(f"tokenizer '{path}' has no chat template; training data is rendered with it")
+    return tok
+
+
+def load_datasets(config: RunConfig, tokenizer) -> tuple[TokenizedSet, TokenizedSet | None]:
+    d = config.data
+    if d.synthetic is not None:
+        from dflash.data.synthetic import generate_conversations
+
+        vocab_words = config.tokenizer.synthetic_vocab_size or 64
+        s = d.synthetic
+        convs = [row["messages"] for row in
+                 generate_conversations(s.num_samples, vocab_words, s.min_length, s.max_length, s.strides, s.seed)]
+        n_eval = int(len(convs) * d.eval_fraction)
+        train = tokenize_conversations(tokenizer, convs[n_eval:], d.max_length, d.min_loss_tokens, "synthetic")
+        evalset = (tokenize_conversations(tokenizer, convs[:n_eval], d.max_length, d.min_loss_tokens,
+                                          "synthetic-eval") if n_eval else None)
+    else:
+        cache = d.cache_dir or str(Path(config.output_dir) / ".token-cache")
+        train = load_tokenized(d.train_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
+        evalset = (load_tokenized(d.eval_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
+                   if d.eval_path else None)
+    if len(train) == 0:
+        raise DataError(f"no training sample has at least data.min_loss_tokens={d.min_loss_tokens} assistant "
+                        f"tokens ({train.dropped_few_loss_tokens} dropped); lower data.min_loss_tokens or check "
+                        "that the data has assistant turns")
+    return train, evalset
+
+
+def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
+    warmup = max(1, math.ceil(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """Anchors depend only on (seed, step, rank): a resumed run draws exactly what an unbroken one would."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + rank)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    stats: BlockStats
+    tokens: int
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, rank: int = 0, world_size: int = 1, is_reporter: bool = True):
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.is_reporter = is_reporter
+        self.step = 0
+        self.stop_requested = False
+        self.ddp_model = None  # set by dflash.distributed for data-parallel drafter ranks
+
+    # ------------------------------------------------------------------------------------------ setup
+    def setup(self, with_target: bool = True) -> Trainer:
+        c = self.config
+        if c.runtime.num_threads:
+            torch.set_num_threads(c.runtime.num_threads)
+        out = Path(c.output_dir)
+        self.ckpt = CheckpointManager(ensure_writable(out / "checkpoints"), c.checkpoint.keep_last)
+        self.layer_ids = resolved_layer_ids(c, num_layers_of(c.target.path, c.target.random_init))
+        self.device = pick_device(c.runtime.device)
+        self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
+        self.observer.heartbeat(0, 0, "starting")
+        self.tokenizer = load_tokenizer(c)
+        self.train_set, self.eval_set = load_datasets(c, self.tokenizer)
+        self.observer.event(f"data: {len(self.train_set)} training samples ({self.train_set.dropped_few_loss_tokens} "
+                            f"dropped with < {c.data.min_loss_tokens} loss tokens, {self.train_set.truncated} "
+                            f"truncated to {c.data.max_length}); eval: {len(self.eval_set) if self.eval_set else 0}")
+        self.target = self._load_target() if with_target else None
+        self._build_drafter()
+        self.sampler = RoundRobinBatchSampler(self.train_set.lengths(), c.data.token_budget, c.data.bucket_size,
+                                              c.data.max_length, seed=c.seed, rank=self.rank,
+                                              world_size=self.world_size)
+        per_epoch = self.sampler.batches_per_epoch()
+        if per_epoch == 0:
+            raise DataError("the training data yields no batch; add samples or lower the number of ranks")
+        self.total_steps = c.optim.max_steps or per_epoch * c.optim.epochs
+        self._build_optimizer()
+        self.resume()
+        return self
+
+    def _load_target(self) -> Target:
+        c = self.config
+        model = build_hf_model(c.target.path, c.target.random_init, c.target.dtype, c.target.attn_implementation,
+                               seed=c.seed)
+        target = Target(model.to(self.device), self.layer_ids)
+        report = target.fast_path_report()
+        self.observer.event(f"target: {target.num_layers} layers, hidden {target.hidden_size}, tapped "
+                            f"{self.layer_ids}; {report.describe()}")
+        if self.device.type == "cuda" and not report.fast and not c.target.allow_slow_path:
+            raise BadInput("the hybrid target would run on the slow PyTorch path (" + report.describe() + "); "
+                           "install flash-linear-attention and causal-conv1d (the `kernels` role, or "
+                           "`pip install dflash-trainer[gpu]` + a causal-conv1d build) or set "
+                           "target.allow_slow_path=true")
+        max_id = max(int(ids.max()) for ids, _ in self.train_set.samples)
+        if max_id >= target.vocab_size:
+            raise BadInput(f"token id {max_id} is outside the target's embedding table ({target.vocab_size}); the "
+                           "tokenizer does not belong to this target")
+        return target
+
+    def _mask_token_id(self, vocab_size: int) -> int:
+        c = self.config.drafter
+        mid = c.mask_token_id
+        if mid is None:
+            mid = getattr(self.tokenizer, "mask_token_id", None)
+        if mid is None:
+            mid = self.tokenizer.pad_token_id
+        if mid is None or not 0 <= mid < vocab_size:
+            raise BadInput(f"drafter.mask_token_id {mid} is not a token of the target's vocabulary (0..{vocab_size - 1}); "
+                           "set drafter.mask_token_id to a reserved token id")
+        return int(mid)
+
+    def _build_drafter(self) -> None:
+        c = self.config
+        from transformers import AutoConfig
+
+        if c.target.random_init is not None:
+            spec = dict(c.target.random_init)
+            tcfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        else:
+            tcfg = AutoConfig.from_pretrained(c.target.path, local_files_only=True)
+        vocab = self.target.vocab_size if self.target is not None else (
+            getattr(tcfg, "text_config", None) or tcfg).vocab_size
+        if c.drafter.init_from:
+            self.drafter = Drafter.load(c.drafter.init_from)
+        else:
+            arch = arch_from_target(tcfg, num_layers=c.drafter.num_layers, block_size=c.drafter.block_size,
+                                    layer_ids=self.layer_ids, mask_token_id=self._mask_token_id(vocab),
+                                    vocab_size=vocab, intermediate_size=c.drafter.intermediate_size,
+                                    num_attention_heads=c.drafter.num_attention_heads,
+                                    num_key_value_heads=c.drafter.num_key_value_heads)
+            gen_state = torch.random.get_rng_state()
+            torch.manual_seed(c.seed + 17)
+            self.drafter = Drafter(arch)
+            torch.random.set_rng_state(gen_state)
+        self.drafter.to(self.device)
+        self.gamma = c.drafter.gamma or default_gamma(c.drafter.block_size)
+        self.attention_kind = resolve_kind(c.drafter.attention, self.device)
+        self._flex = compiled_flex_attention() if (self.attention_kind == "flex" and self.device.type == "cuda") else None
+        self._forward = self.drafter.forward
+        if c.drafter.compile:
+            self._forward = torch.compile(self.drafter.forward)
+
+    def _build_optimizer(self) -> None:
+        o = self.config.optim
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_schedule(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": {"torch": torch.random.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "config": self.config.to_dict(),
+        }
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.is_reporter:
+            return None
+        state = self.state_dict()
+
+        def write(tmp: Path) -> None:
+            self.drafter.save(tmp)
+            save_trainer_state(tmp, state)
+
+        path = self.ckpt.save(self.step, write)
+        self.observer.event(f"checkpoint: {path}")
+        return path
+
+    def resume(self) -> bool:
+        if not self.config.checkpoint.resume:
+            return False
+        path = self.ckpt.latest_valid()
+        if path is None:
+            return False
+        loaded = Drafter.load(path, device=self.device)
+        self.drafter.load_state_dict(loaded.state_dict())
+        state = load_trainer_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])
+        rng = state["rng"]
+        torch.random.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.observer.event(f"resumed from {path} at step {self.step}")
+        return True
+
+    # ------------------------------------------------------------------------------------------ steps
+    def next_batch(self) -> tuple[int, Batch]:
+        epoch, blen, idx = self.sampler.next()
+        return epoch, collate(self.train_set.samples, idx, blen, self.tokenizer.pad_token_id or 0)
+
+    def features(self, batch: Batch) -> torch.Tensor:
+        return self.target.features(batch.input_ids, batch.attention_mask)
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator, model=None):
+        """Loss and stats of one batch given its target features (shared by every topology)."""
+        c = self.config.drafter
+        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.num_anchors, generator)
+        blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, c.block_size,
+                              self.drafter.arch.mask_token_id)
+        forward = model if model is not None else self._forward
+        embed = self.embed_tokens()
+        with self.autocast():
+            hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self._flex)
+            loss, correct = weighted_block_loss(hidden, self.lm_head_weight(), blocks, self.gamma, c.loss_chunk_size)
+        return loss, BlockStats.of(correct, blocks)
+
+    def embed_tokens(self):
+        return self.target.embed_tokens
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.target.lm_head.weight
+
+    def optimizer_step(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def train_step(self) -> tuple[int, StepResult]:
+        epoch, batch = self.next_batch()
+        batch = batch.to(self.device)
+        feats = self.features(batch)
+        model = self.ddp_model
+        loss, stats = self.drafter_loss(feats, batch, step_generator(self.config.seed, self.step, self.rank), model)
+        self.optimizer_step(loss)
+        self.step += 1
+        return epoch, StepResult(float(loss.detach()), stats, batch.num_tokens)
+
+    @torch.no_grad()
+    def evaluate(self, dataset: TokenizedSet | None = None, max_batches: int = 50) -> BlockStats | None:
+        dataset = dataset or self.eval_set
+        if dataset is None or len(dataset) == 0:
+            return None
+        c = self.config
+        sampler = RoundRobinBatchSampler(dataset.lengths(), c.data.token_budget, c.data.bucket_size,
+                                         c.data.max_length, seed=12345)
+        total = None
+        self.drafter.eval()
+        for i, (blen, idx) in enumerate(sampler.epoch_batches(0)):
+            if i >= max_batches:
+                break
+            batch = collate(dataset.samples, idx, blen, self.tokenizer.pad_token_id or 0).to(self.device)
+            _, stats = self.drafter_loss(self.features(batch), batch, step_generator(999, i, 0), self.drafter.forward)
+            total = stats if total is None else total + stats
+        self.drafter.train()
+        return total
+
+    # ------------------------------------------------------------------------------------------ loop
+    def install_signal_handlers(self) -> None:
+        def request_stop(signum, _frame):
+            self.stop_requested = True
+            print(f"received signal {signum}: checkpointing at the next step boundary", flush=True)
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def memory_gib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return 0.0
+
+    def run(self) -> dict[str, Any]:
+        c = self.config
+        self.drafter.train()
+        window = {"loss": 0.0, "n": 0, "tokens": 0, "t0": time.time(), "stats": None}
+        epoch = self.sampler.epoch
+        self.observer.heartbeat(self.step, epoch, "training")
+        last: dict[str, Any] = {}
+        while self.step < self.total_steps and not self.stop_requested:
+            epoch, res = self.train_step()
+            window["loss"] += res.loss
+            window["n"] += 1
+            window["tokens"] += res.tokens
+            window["stats"] = res.stats if window["stats"] is None else window["stats"] + res.stats
+            if not math.isfinite(res.loss):
+                raise RuntimeError(f"loss is {res.loss} at step {self.step}; lower optim.lr or check the data")
+            if self.step % c.logging.interval == 0 or self.step == self.total_steps:
+                last = self._report(epoch, window)
+                window = {"loss": 0.0, "n": 0, "tokens": 0, "t0": time.time(), "stats": None}
+            if self.step % c.checkpoint.interval == 0:
+                self.save_checkpoint()
+            if c.logging.eval_interval and self.step % c.logging.eval_interval == 0:
+                self._report_eval()
+        if not self.ckpt.list() or self.ckpt.list()[-1] != self.ckpt.path_for(self.step):
+            self.save_checkpoint()
+        stopped = self.stop_requested and self.step < self.total_steps
+        result = {"step": self.step, "epoch": epoch, "stopped": stopped, **last}
+        if not stopped:
+            ev = self._report_eval()
+            if ev is not None:
+                result["eval_tau"] = ev.tau
+                result["eval_acc"] = ev.accuracy
+        self.observer.heartbeat(self.step, epoch, "stopped" if stopped else "finished",
+                                loss=last.get("loss"), tau=last.get("tau"))
+        self.observer.close()
+        return result
+
+    def reduce_stats(self, loss_sum: float, n: int, tokens: int, stats: BlockStats):
+        """Hook for data-parallel ranks to sum their windows; single process: identity."""
+        return loss_sum, n, tokens, stats
+
+    def _report(self, epoch: int, window: dict[str, Any]) -> dict[str, Any]:
+        loss_sum, n, tokens, stats = self.reduce_stats(window["loss"], window["n"], window["tokens"], window["stats"])
+        elapsed = max(time.time() - window["t0"], 1e-9)
+        record = {"step": self.step, "epoch": epoch, "loss": loss_sum / max(n, 1), "acc": stats.accuracy,
+                  "tau": stats.tau, "tokens_per_s": tokens / elapsed, "lr": self.scheduler.get_last_lr()[0],
+                  "mem_gib": self.memory_gib()}
+        self.observer.log(record)
+        self.observer.heartbeat(self.step, epoch, "training", loss=record["loss"], tau=record["tau"],
+                                tokens_per_s=record["tokens_per_s"])
+        return record
+
+    def _report_eval(self) -> BlockStats | None:
+        stats = self.evaluate()
+        if stats is not None:
+            self.observer.event(f"eval step {self.step}: tau {stats.tau:.3f} acc@1 {stats.accuracy[0]:.3f}")
+            self.observer.scalar("eval/tau", stats.tau, self.step)
+        return stats
+
+
+def train(config: RunConfig) -> dict[str, Any]:
+    trainer = Trainer(config).setup()
+    trainer.install_signal_handlers()
+    try:
+        return trainer.run()
+    except BaseException:
+        trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed")
+        raise
+
+
+__all__ = ["Trainer", "train", "warn"]
