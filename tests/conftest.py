@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+@pytest.fixture
+def tiny_dict() -> dict:
+    return copy.deepcopy(yaml.safe_load(TINY.read_text()))
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    def write(data: dict, name: str = "run.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def tiny_config(tiny_dict, tmp_path):
+    """A RunConfig for fast unit tests (few samples, short run) in a temp output dir."""
+    from dflash.config import _build, validate
+
+    tiny_dict["output_dir"] = str(tmp_path / "run")
+    tiny_dict["data"]["synthetic"]["num_samples"] = 200
+    tiny_dict["optim"]["max_steps"] = 6
+    tiny_dict["checkpoint"]["interval"] = 3
+    tiny_dict["logging"]["interval"] = 2
+    cfg = _build(__import__("dflash.config", fromlist=["RunConfig"]).RunConfig, tiny_dict, "")
+    validate(cfg)
+    return cfg

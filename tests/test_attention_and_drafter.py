@@ -1,0 +1,112 @@
+"""Attention visibility, flex == dense, KV injection causality, save/load layouts."""
+
+import json
+
+import pytest
+import torch
+
+from dflash.models.attention import dense_mask
+from dflash.models.drafter import Drafter, DrafterArch
+
+
+def test_dense_mask_visibility_hand_case():
+    # T=6 context, 2 blocks of size 2 with anchors 2 and 4
+    m = dense_mask(torch.tensor([[2, 4]]), ctx_len=6, block_size=2)[0, 0].int().tolist()
+    expected = [
+        # ctx 0..5          block0  block1
+        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0],  # block 0, token 0: context < 2, own block
+        [1, 1, 0, 0, 0, 0, 1, 1, 0, 0],  # block 0, token 1 (bidirectional inside the block)
+        [1, 1, 1, 1, 0, 0, 0, 0, 1, 1],  # block 1: context < 4, own block only
+        [1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+    ]
+    assert m == expected
+
+
+def tiny_arch(**kw) -> DrafterArch:
+    base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, target_layer_ids=[1, 3],
+                mask_token_id=49, rope_theta=10000.0)
+    base.update(kw)
+    return DrafterArch(**base)
+
+
+def run(drafter, feats, block_ids, anchors, embed, kind="sdpa"):
+    return drafter(feats, block_ids, anchors, embed, kind)
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    arch = tiny_arch()
+    drafter = Drafter(arch).eval()
+    embed = torch.nn.Embedding(arch.vocab_size, arch.hidden_size)
+    feats = torch.randn(2, 12, 2 * arch.hidden_size)
+    block_ids = torch.randint(0, 49, (2, 3, 4))
+    block_ids[:, :, 1:] = arch.mask_token_id
+    anchors = torch.tensor([[2, 5, 8], [1, 3, 7]])
+    return drafter, embed, feats, block_ids, anchors
+
+
+def test_block_output_ignores_context_at_and_after_anchor_and_other_blocks(setup):
+    drafter, embed, feats, block_ids, anchors = setup
+    with torch.no_grad():
+        base = run(drafter, feats, block_ids, anchors, embed)
+        later = feats.clone()
+        later[0, 5:] += torch.randn_like(later[0, 5:])  # positions >= anchor of block 1 in sequence 0
+        out = run(drafter, later, block_ids, anchors, embed)
+        assert torch.allclose(out[0, 0], base[0, 0], atol=1e-5)  # block 0 (anchor 2) sees < 2 only
+        assert torch.allclose(out[0, 1], base[0, 1], atol=1e-5)  # block 1 (anchor 5) sees < 5 only
+        assert not torch.allclose(out[0, 2], base[0, 2], atol=1e-5)  # block 2 (anchor 8) sees 5..7
+        assert torch.allclose(out[1], base[1], atol=1e-5)  # another sequence is untouched
+        other = block_ids.clone()
+        other[0, 2, 0] = (other[0, 2, 0] + 1) % 49  # change block 2's anchor token
+        out2 = run(drafter, feats, other, anchors, embed)
+        assert torch.allclose(out2[0, :2], base[0, :2], atol=1e-5)  # no block sees another block
+        assert not torch.allclose(out2[0, 2, 3], base[0, 2, 3], atol=1e-5)  # bidirectional inside the block
+
+
+def test_flex_attention_matches_dense_sdpa_forward(setup):
+    drafter, embed, feats, block_ids, anchors = setup
+    with torch.no_grad():
+        dense = run(drafter, feats, block_ids, anchors, embed, "sdpa")
+        flex = run(drafter, feats, block_ids, anchors, embed, "flex")
+    assert torch.allclose(dense, flex, atol=1e-4), (dense - flex).abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs CUDA")
+def test_flex_attention_matches_dense_sdpa_gradients_cuda(setup):
+    drafter, embed, feats, block_ids, anchors = setup
+    drafter, embed = drafter.cuda(), embed.cuda()
+    grads = {}
+    for kind in ("sdpa", "flex"):
+        drafter.zero_grad()
+        out = run(drafter, feats.cuda(), block_ids.cuda(), anchors.cuda(), embed, kind)
+        out.square().mean().backward()
+        grads[kind] = torch.cat([p.grad.flatten() for p in drafter.parameters()])
+    rel = (grads["sdpa"] - grads["flex"]).norm() / grads["sdpa"].norm()
+    assert rel < 1e-3
+
+
+def test_save_load_roundtrip_and_both_config_layouts(tmp_path, setup):
+    drafter, embed, feats, block_ids, anchors = setup
+    drafter.save(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["block_size"] == 4
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": 49, "block_size": 4}
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "d" / "model.safetensors")))
+    assert "fc.weight" in keys and "layers.0.self_attn.k_proj.weight" in keys
+    assert not any("embed" in k or "lm_head" in k for k in keys)  # frozen target parts are not stored
+    loaded = Drafter.load(tmp_path / "d")
+    with torch.no_grad():
+        assert torch.equal(run(loaded.eval(), feats, block_ids, anchors, embed), run(drafter, feats, block_ids, anchors, embed))
+    # block_size only inside dflash_config
+    del cfg["block_size"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    assert Drafter.load(tmp_path / "d").arch.block_size == 4
+    # block_size only at top level
+    cfg["block_size"] = 4
+    del cfg["dflash_config"]["block_size"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    assert Drafter.load(tmp_path / "d").arch.block_size == 4

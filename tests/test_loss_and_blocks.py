@@ -1,0 +1,104 @@
+"""Hand-computed cases for anchors, blocks, labels, weights and tau."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.loss import (
+    BlockStats,
+    build_blocks,
+    position_weights,
+    sample_anchors,
+    valid_anchor_positions,
+    weighted_block_loss,
+)
+
+MASK = 99
+
+
+def test_valid_anchors_are_positions_whose_first_label_is_a_loss_token():
+    loss_mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0], dtype=torch.bool)
+    # labels x_{a+1} at 3,4,5 are in the loss mask -> a in {2,3,4}
+    assert valid_anchor_positions(loss_mask, 8).tolist() == [2, 3, 4]
+    # a shorter true length cuts candidates
+    assert valid_anchor_positions(loss_mask, 5).tolist() == [2, 3]
+
+
+def test_sample_anchors_without_replacement_sorted_and_padded():
+    loss_mask = torch.zeros(2, 10, dtype=torch.bool)
+    loss_mask[0, 2:10] = True  # candidates a = 1..8
+    loss_mask[1, 5:7] = True  # candidates a = 4, 5
+    g = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(loss_mask, torch.tensor([10, 10]), 4, g)
+    a0 = anchors[0][valid[0]].tolist()
+    assert len(a0) == 4 and len(set(a0)) == 4 and a0 == sorted(a0) and all(1 <= a <= 8 for a in a0)
+    assert anchors[1][valid[1]].tolist() == [4, 5] and valid[1].tolist() == [True, True, False, False]
+    # resampled: another generator draws another set (with overwhelming probability over many draws)
+    draws = {tuple(sample_anchors(loss_mask, torch.tensor([10, 10]), 4, torch.Generator().manual_seed(s))[0][0].tolist())
+             for s in range(20)}
+    assert len(draws) > 5
+
+
+def test_block_construction_and_label_alignment():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 0]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    lengths = torch.tensor([7])
+    anchors = torch.tensor([[1, 4]])
+    valid = torch.tensor([[True, True]])
+    b = build_blocks(ids, loss_mask, lengths, anchors, valid, block_size=4, mask_token_id=MASK)
+    assert b.block_ids.tolist() == [[[11, MASK, MASK, MASK], [14, MASK, MASK, MASK]]]
+    # position k predicts x_{a+k}: anchor 1 -> 12, 13, 14 ; anchor 4 -> 15, 16, (17 outside)
+    assert b.labels[0, 0].tolist() == [12, 13, 14]
+    assert b.labels[0, 1, :2].tolist() == [15, 16]
+    # anchor 1: labels at 2,3,4 all in loss; anchor 4: 5 in loss, 6 not in loss, 7 beyond length
+    assert b.label_valid.tolist() == [[[True, True, True], [True, False, False]]]
+
+
+def test_position_weights_decay():
+    w = position_weights(16, 7.0)
+    assert w.shape == (15,)
+    assert math.isclose(float(w[0]), 1.0)
+    assert math.isclose(float(w[7]), math.exp(-1.0), rel_tol=1e-6)  # k = 8
+
+
+def test_weighted_loss_matches_hand_computation():
+    torch.manual_seed(0)
+    vocab, hdim = 7, 5
+    hidden = torch.randn(1, 2, 3, hdim, requires_grad=True)
+    head = torch.randn(vocab, hdim)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    blocks = build_blocks(ids, loss_mask, torch.tensor([6]), torch.tensor([[0, 3]]), torch.tensor([[True, True]]),
+                          3, MASK)
+    loss, correct = weighted_block_loss(hidden, head, blocks, gamma=2.0, chunk_size=2)
+    # valid: anchor 0 -> labels x1, x2 (both loss); anchor 3 -> x4 (loss), x5 (not loss)
+    w = [1.0, math.exp(-0.5)]
+    terms = []
+    for (j, k, label) in [(0, 1, 2), (0, 2, 3), (1, 1, 5)]:
+        logits = hidden[0, j, k] @ head.t()
+        terms.append(w[k - 1] * F.cross_entropy(logits[None], torch.tensor([label])))
+    expected = sum(terms) / (w[0] + w[1] + w[0])
+    assert torch.allclose(loss, expected, atol=1e-6)
+    loss.backward()
+    assert hidden.grad[0, 1, 2].abs().sum() == 0  # invalid position gets no gradient
+    assert hidden.grad[0, :, 0].abs().sum() == 0  # position 0 has no loss
+
+
+def test_tau_counts_leading_correct_predictions():
+    labels = torch.zeros(1, 3, 4, dtype=torch.long)
+    valid = torch.ones(1, 3, 4, dtype=torch.bool)
+    valid[0, 2, 2:] = False
+    from dflash.loss import Blocks
+
+    blocks = Blocks(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[True, True, True]]),
+                    torch.zeros(1, 3, 5, dtype=torch.long), labels, valid)
+    correct = torch.tensor([[[1, 1, 0, 1],   # 2 leading
+                             [0, 1, 1, 1],   # 0 leading
+                             [1, 1, 1, 1]]], dtype=torch.bool)  # 2 leading (then invalid)
+    stats = BlockStats.of(correct, blocks)
+    assert stats.tau == pytest.approx(1 + (2 + 0 + 2) / 3)
+    assert stats.accuracy == pytest.approx([2 / 3, 3 / 3, 1 / 2, 2 / 2])
+    merged = BlockStats.from_vector((stats + stats).to_vector())
+    assert merged.tau == pytest.approx(stats.tau)

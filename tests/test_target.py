@@ -1,0 +1,63 @@
+"""Target feature extraction: hooks on tapped layers, backbone only, early stop."""
+
+import pytest
+import torch
+
+from dflash.config import default_layer_ids
+from dflash.models.target import Target, build_hf_model
+
+QWEN3 = {"model_type": "qwen3", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+LLAMA = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_default_layer_ids_match_design():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+
+
+@pytest.mark.parametrize("spec", [QWEN3, LLAMA], ids=["qwen3", "llama"])
+def test_features_equal_hidden_states_of_tapped_layers(spec):
+    model = build_hf_model(None, dict(spec), "float32", seed=0)
+    ids = torch.randint(0, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    target = Target(model, [1, 3])
+    feats = target.features(ids, mask)
+    h = spec["hidden_size"]
+    assert feats.shape == (2, 9, 2 * h)
+    # hidden_states[i + 1] is the output of layer i
+    assert torch.allclose(feats[..., :h], ref[2], atol=1e-5)
+    assert torch.allclose(feats[..., h:], ref[4], atol=1e-5)
+
+
+def test_forward_stops_after_deepest_tapped_layer_and_skips_lm_head():
+    model = build_hf_model(None, dict(QWEN3), "float32")
+    calls = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_a, i=i: calls.append(i))
+    model.lm_head.register_forward_hook(lambda *_a: calls.append("lm_head"))
+    model.model.norm.register_forward_hook(lambda *_a: calls.append("norm"))
+    target = Target(model, [2, 1])
+    target.features(torch.randint(0, 50, (1, 5)))
+    assert calls == [0, 1, 2]
+    assert target.layer_ids == [1, 2]
+    assert not any(p.requires_grad for p in target.parameters())
+    assert target.embed_tokens is model.model.embed_tokens and target.lm_head is model.lm_head
+
+
+def test_hybrid_target_reports_slow_path_without_kernels():
+    from dflash.doctor import PROBE_HYBRID
+
+    model = build_hf_model(None, dict(PROBE_HYBRID), "float32")
+    target = Target(model, [1, 3])
+    report = target.fast_path_report()
+    assert report.hybrid and report.linear_layers == 3 and report.total_layers == 4
+    feats = target.features(torch.randint(0, 256, (1, 7)))
+    assert feats.shape == (1, 7, 512)
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        assert not report.fast and "SLOW" in report.describe()

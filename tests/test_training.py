@@ -1,0 +1,126 @@
+"""End-to-end training on CPU: resume equivalence, learning, SIGTERM, export."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.models.drafter import Drafter
+from dflash.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def weights(trainer):
+    return {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+
+
+def test_resume_n_plus_n_equals_2n(tiny_config, tmp_path):
+    import copy
+
+    full = copy.deepcopy(tiny_config)
+    full.output_dir = str(tmp_path / "full")
+    full.optim.max_steps = 8
+    full.checkpoint.interval = 100
+    a = Trainer(full).setup()
+    a.run()
+
+    half = copy.deepcopy(full)
+    half.output_dir = str(tmp_path / "half")
+    first = Trainer(half).setup()
+    first.total_steps = 8  # same schedule as the full run
+    while first.step < 4:
+        first.train_step()
+    first.save_checkpoint()
+    del first
+    second = Trainer(half).setup()
+    assert second.step == 4
+    second.run()
+    assert second.step == 8
+    wa, wb = weights(a), weights(second)
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6), k
+    # the exported checkpoint of each run loads as a drafter
+    assert Drafter.load(second.ckpt.latest_valid()).arch.block_size == full.drafter.block_size
+
+
+@pytest.mark.slow
+def test_drafter_learns_synthetic_language(tiny_config, tmp_path):
+    """An untrained drafter scores tau ~ 1.0; after short CPU training, held-out tau >= 2.0 with B=8."""
+    cfg = tiny_config
+    cfg.output_dir = str(tmp_path / "learn")
+    cfg.data.synthetic.num_samples = 1500
+    cfg.optim.max_steps = 400
+    cfg.optim.lr = 3e-3
+    cfg.checkpoint.interval = 1000
+    cfg.logging.interval = 100
+    assert cfg.drafter.block_size == 8
+    trainer = Trainer(cfg).setup()
+    before = trainer.evaluate()
+    assert before.tau < 1.3
+    t0 = time.time()
+    result = trainer.run()
+    after = trainer.evaluate()
+    print(f"tau before {before.tau:.3f} after {after.tau:.3f} in {time.time() - t0:.0f}s; acc {after.accuracy}")
+    assert after.tau >= 2.0
+    assert result["eval_tau"] == pytest.approx(after.tau)
+
+
+def _spawn(config_path, *overrides):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "dflash", "train", str(config_path), *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+
+
+def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(write_config, tiny_dict, tmp_path):
+    out = tmp_path / "run"
+    tiny_dict["output_dir"] = str(out)
+    tiny_dict["checkpoint"]["interval"] = 100000
+    tiny_dict["logging"]["interval"] = 5
+    cfg = write_config(tiny_dict)
+    proc = _spawn(cfg)
+    hb = out / "heartbeat.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if hb.exists() and json.loads(hb.read_text())["step"] >= 10:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("trainer made no progress: " + proc.communicate()[0])
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    beat = json.loads(hb.read_text())
+    assert beat["status"] == "stopped" and beat["pid"] == proc.pid
+    step = beat["step"]
+    ckpts = sorted((out / "checkpoints").glob("step-*"))
+    assert ckpts and ckpts[-1].name == f"step-{step:08d}"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines and {"step", "loss", "tau", "tokens_per_s", "acc", "lr"} <= set(lines[-1])
+    # resume continues from that step
+    proc2 = _spawn(cfg, f"optim.max_steps={step + 5}")
+    output2, _ = proc2.communicate(timeout=120)
+    assert proc2.returncode == 0, output2
+    assert f"resumed from {ckpts[-1]} at step {step}" in output2
+    assert json.loads(hb.read_text())["step"] == step + 5
+
+
+def test_export_cli_writes_serving_layout(tiny_config, tmp_path, capsys):
+    tiny_config.optim.max_steps = 3
+    Trainer(tiny_config).setup().run()
+    out = tmp_path / "export"
+    assert main(["export", tiny_config.output_dir, str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3, 4] and cfg["torch_dtype"] == "bfloat16"
+    assert Drafter.load(out).arch.num_hidden_layers == 2
+    assert main(["export", tiny_config.output_dir, str(out)]) == 2  # refuses to overwrite
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
