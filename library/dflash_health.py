@@ -1,0 +1,223 @@
+#!/usr/bin/python
+# Copyright: dflash authors
+# Apache-2.0
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: dflash_health
+short_description: Prove that a dflash training job is really training, or say why not
+description:
+  - Polls until every invariant holds, one fails for good, or O(timeout) passes.
+  - C(log) - O(log_path) exists and grows (grew during the check, or is non-empty and was written within
+    O(progress_window)).
+  - C(unit) - the unit is active and its MainPID is alive.
+  - C(gpu) - every GPU in O(gpu_ids) uses at least O(gpu_min_memory_mib) (the model is loaded).
+  - C(progress) - the heartbeat step advances - it advanced during the check, or the heartbeat of a live trainer in
+    status C(training) was written within O(progress_window) (the trainer rewrites it at logging intervals only).
+  - A heartbeat with status C(finished) and a unit that exited 0 count as healthy (RV(finished)).
+  - A dead unit or a missing nvidia-smi ends the wait at once; any other failure that lasts O(progress_window) too.
+  - On failure the message is a diagnosis - the failed invariants and why (for example
+    C(no progress - heartbeat step stayed at 12 for 60s), C(unit failed - exit status 2)), the unit state and exit
+    status, the heartbeat, the GPU table and the last O(log_lines) log lines, so the trainer's own
+    C(dflash: error: ...) line appears in the play output.
+version_added: "0.1.0"
+author: dflash authors
+options:
+  name:
+    description: Job (unit) name, as given to M(dflash_unit).
+    type: str
+    required: true
+  backend:
+    description: How the job was launched; V(auto) as in M(dflash_unit).
+    type: str
+    choices: [auto, systemd, daemon]
+    default: auto
+  state_dir:
+    description: The job's state directory, as given to M(dflash_unit). Default C(/var/lib/dflash/units/NAME).
+    type: path
+  log_path:
+    description: The job's log file.
+    type: path
+    required: true
+  heartbeat_path:
+    description: The trainer's C(OUTPUT_DIR/heartbeat.json).
+    type: path
+    required: true
+  gpu_ids:
+    description: GPU indexes that must hold the model. Empty for CPU jobs.
+    type: list
+    elements: int
+    default: []
+  gpu_min_memory_mib:
+    description: Minimum used memory per listed GPU.
+    type: int
+    default: 1024
+  timeout:
+    description: Seconds to wait for all invariants to hold. V(0) takes one snapshot.
+    type: int
+    default: 300
+  progress_window:
+    description: Seconds within which the heartbeat step must advance (and after which any failure is final).
+    type: int
+    default: 120
+  poll_interval:
+    description: Seconds between snapshots.
+    type: int
+    default: 5
+  log_lines:
+    description: Number of log lines returned and shown in the diagnosis.
+    type: int
+    default: 40
+  fail_on_unhealthy:
+    description: Fail the task when the job is not healthy. V(false) reports only (status playbooks).
+    type: bool
+    default: true
+attributes:
+  check_mode:
+    support: full
+    description: Only reads; runs the same in check mode.
+  diff_mode:
+    support: none
+    description: Changes nothing.
+"""
+
+EXAMPLES = r"""
+- name: Assert the trainer is training
+  dflash_health:
+    name: dflash-train
+    log_path: /var/log/dflash/dflash-train.log
+    heartbeat_path: /var/lib/dflash/runs/dflash-train/heartbeat.json
+    gpu_ids: [0, 1, 2, 3, 4, 5, 6, 7]
+    gpu_min_memory_mib: 8192
+    timeout: 600
+    progress_window: 300
+
+- name: Report without failing
+  dflash_health:
+    name: dflash-train
+    log_path: /var/log/dflash/dflash-train.log
+    heartbeat_path: /var/lib/dflash/runs/dflash-train/heartbeat.json
+    timeout: 0
+    fail_on_unhealthy: false
+  register: job_health
+"""
+
+RETURN = r"""
+healthy:
+  description: Whether all invariants held (or the job finished cleanly).
+  returned: always
+  type: bool
+finished:
+  description: The heartbeat says C(finished) and the unit exited 0.
+  returned: always
+  type: bool
+failed_invariants:
+  description: Names of the failed invariants (log, unit, gpu, progress).
+  returned: always
+  type: list
+  elements: str
+failures:
+  description: The failed invariants with their reasons.
+  returned: always
+  type: list
+  elements: dict
+diagnosis:
+  description: Human-readable report (also the failure message).
+  returned: always
+  type: str
+unit:
+  description: The unit's state (backend, active_state, sub_state, main_pid, main_pid_alive, exit_status, result).
+  returned: always
+  type: dict
+step:
+  description: Heartbeat step.
+  returned: always
+  type: int
+epoch:
+  description: Heartbeat epoch.
+  returned: always
+  type: int
+loss:
+  description: Heartbeat loss.
+  returned: always
+  type: float
+tokens_per_s:
+  description: Heartbeat throughput.
+  returned: always
+  type: float
+tau:
+  description: Heartbeat simulated acceptance length.
+  returned: always
+  type: float
+heartbeat:
+  description: The whole heartbeat document, or null.
+  returned: always
+  type: dict
+gpus:
+  description: GPU facts as in M(dflash_gpu_facts) (only when O(gpu_ids) is set).
+  returned: always
+  type: list
+  elements: dict
+gpu_table:
+  description: The GPUs as a table, or null.
+  returned: always
+  type: str
+log_tail:
+  description: The last O(log_lines) lines of the log.
+  returned: always
+  type: list
+  elements: str
+elapsed_s:
+  description: Seconds the check took.
+  returned: always
+  type: float
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.dflash_health import check_health
+from ansible.module_utils.dflash_host import ModuleHost
+from ansible.module_utils.dflash_unit import UnitError, default_state_dir, get_backend, resolve_backend
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "name": {"type": "str", "required": True},
+            "backend": {"type": "str", "default": "auto", "choices": ["auto", "systemd", "daemon"]},
+            "state_dir": {"type": "path"},
+            "log_path": {"type": "path", "required": True},
+            "heartbeat_path": {"type": "path", "required": True},
+            "gpu_ids": {"type": "list", "elements": "int", "default": []},
+            "gpu_min_memory_mib": {"type": "int", "default": 1024},
+            "timeout": {"type": "int", "default": 300},
+            "progress_window": {"type": "int", "default": 120},
+            "poll_interval": {"type": "int", "default": 5},
+            "log_lines": {"type": "int", "default": 40},
+            "fail_on_unhealthy": {"type": "bool", "default": True},
+        },
+        supports_check_mode=True,
+    )
+    params = dict(module.params)
+    params["state_dir"] = params["state_dir"] or default_state_dir(params["name"])
+    host = ModuleHost(module)
+    try:
+        backend = get_backend(resolve_backend(params["backend"]), host)
+        spec = {"name": params["name"], "state_dir": params["state_dir"]}
+
+        def status_probe():
+            status = backend.status(spec)
+            status["backend"] = backend.name
+            return status
+
+        result = check_health(host, params, status_probe)
+    except UnitError as exc:
+        module.fail_json(msg=str(exc))
+    if not result["healthy"] and params["fail_on_unhealthy"]:
+        module.fail_json(msg=result["diagnosis"], **result)
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+#!/usr/bin/python
+# Copyright: dflash authors
+# Apache-2.0
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: dflash_sync
+short_description: Publish a source tree as a checksummed, atomically swapped release
+description:
+  - Computes a sha256 manifest (path, content hash, executable bit) of O(src), a directory on the managed host
+    (typically filled by M(ansible.builtin.copy), which is itself checksum-based).
+  - If the manifest equals the one of the release that C(DEST/current) points to, nothing changes.
+  - Otherwise the tree is copied into C(DEST/releases/.tmp-*), every file and directory is fsynced, the directory is
+    renamed to C(DEST/releases/<first 16 hex digits of the manifest hash>), and C(DEST/current) is swapped
+    atomically (a temp symlink renamed over the old one). A kept release with the same hash is reused (rollback).
+  - Old releases beyond O(keep) are deleted, never the current one.
+version_added: "0.1.0"
+author: dflash authors
+options:
+  src:
+    description: Staging directory on the managed host holding the tree to publish.
+    type: path
+    required: true
+  dest:
+    description: Releases root; the module manages C(DEST/releases/) and the C(DEST/current) symlink.
+    type: path
+    required: true
+  exclude:
+    description:
+      - Glob patterns left out of the manifest and the release. A pattern matches the relative path or any one of its
+        components, so V(__pycache__) excludes every such directory.
+    type: list
+    elements: str
+    default: ["__pycache__", "*.pyc", ".git"]
+  keep:
+    description: Number of releases to keep, the current one included.
+    type: int
+    default: 3
+attributes:
+  check_mode:
+    support: full
+    description: Computes the manifest and reports what would change without writing.
+  diff_mode:
+    support: full
+    description: The before/after manifests (one line per file with its short hash).
+notes:
+  - The release is read-only by convention; point C(PYTHONPATH) (or the working directory) at C(DEST/current).
+"""
+
+EXAMPLES = r"""
+- name: Stage the trainer sources
+  ansible.builtin.copy:
+    src: "{{ playbook_dir }}/../dflash"
+    dest: /opt/dflash/staging/
+    mode: preserve
+
+- name: Publish them as a release
+  dflash_sync:
+    src: /opt/dflash/staging
+    dest: /opt/dflash
+    exclude: ["__pycache__", "*.pyc"]
+    keep: 3
+  register: dflash_code
+"""
+
+RETURN = r"""
+changed:
+  description: Whether C(current) now points at a different release.
+  returned: always
+  type: bool
+release:
+  description: The release directory for O(src)'s content.
+  returned: always
+  type: str
+  sample: /opt/dflash/releases/3f9c0a6b1d2e4f50
+current:
+  description: The C(current) symlink.
+  returned: always
+  type: str
+  sample: /opt/dflash/current
+previous_release:
+  description: Where C(current) pointed before, or null.
+  returned: always
+  type: str
+manifest_hash:
+  description: sha256 of the manifest of O(src).
+  returned: always
+  type: str
+files:
+  description: Number of files in the release.
+  returned: always
+  type: int
+files_added:
+  description: Paths new relative to the previous release.
+  returned: always
+  type: list
+  elements: str
+files_removed:
+  description: Paths gone relative to the previous release.
+  returned: always
+  type: list
+  elements: str
+files_modified:
+  description: Paths whose content or mode changed.
+  returned: always
+  type: list
+  elements: str
+pruned:
+  description: Release ids deleted because of O(keep).
+  returned: always
+  type: list
+  elements: str
+"""
+
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.dflash_sync import SyncError, sync
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "src": {"type": "path", "required": True},
+            "dest": {"type": "path", "required": True},
+            "exclude": {"type": "list", "elements": "str", "default": ["__pycache__", "*.pyc", ".git"]},
+            "keep": {"type": "int", "default": 3},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    try:
+        result = sync(p["src"], p["dest"], exclude=p["exclude"], keep=p["keep"], check_mode=module.check_mode)
+    except SyncError as exc:
+        module.fail_json(msg=str(exc))
+    except OSError as exc:
+        module.fail_json(msg=f"sync of {p['src']} into {p['dest']} failed: {exc}", exception=traceback.format_exc())
+    diff = result.pop("diff")
+    if module._diff and result["changed"]:
+        result["diff"] = diff
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

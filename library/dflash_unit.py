@@ -1,0 +1,291 @@
+#!/usr/bin/python
+# Copyright: dflash authors
+# Apache-2.0
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: dflash_unit
+short_description: Run a training job as a systemd transient unit (or a daemon), idempotently
+description:
+  - Manages one named long-running job that must outlive the Ansible (exec/SSH) session that starts it.
+  - The C(systemd) backend launches C(systemd-run --unit NAME -p Type=exec -p KillMode=mixed -p TimeoutStopSec=N
+    -p StandardOutput=append:LOG -p StandardError=append:LOG [-p EnvironmentFile=] [-p WorkingDirectory=] [-p User=]
+    [--setenv K=V] -- COMMAND). Without C(--collect), so a failed unit and its exit status remain;
+    C(systemctl reset-failed) runs before a relaunch.
+  - The C(daemon) backend, for hosts without systemd, double-forks into a new session and its own process group,
+    redirects stdout/stderr (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command under a
+    tiny C(sh) wrapper that records its exit status in C(state_dir/exit_status). Stop is SIGTERM to the process group
+    (plus processes that left the group but carry the job's C(DFLASH_UNIT_ID) marker), then SIGKILL after
+    O(stop_timeout). Never by process name.
+  - Idempotence by a config hash of O(command), O(environment), the content of O(environment_file), the content of
+    O(config_path), O(working_directory) and O(user), stored in O(state_dir). Same hash and running = no change.
+  - A different hash, a job that is not running, or O(state=restarted) runs the restart sequence as one operation -
+    stop and wait until the unit is gone, wait (bounded) until the job's GPUs release their memory, empty
+    O(compile_cache_dir), start.
+version_added: "0.1.0"
+author: dflash authors
+options:
+  name:
+    description: Job name; the systemd unit is C(NAME.service).
+    type: str
+    required: true
+  state:
+    description:
+      - V(started) - running with the current configuration (restart sequence if the hash changed or it is not running).
+      - V(restarted) - always run the restart sequence.
+      - V(stopped) - stop it (and wait for the GPUs to release); keep its state and exit status.
+      - V(absent) - stop it, reset a failed systemd unit, delete O(state_dir).
+    type: str
+    choices: [started, restarted, stopped, absent]
+    default: started
+  command:
+    description: The command as an argument list (no shell). Required for V(started) and V(restarted).
+    type: list
+    elements: str
+  environment_file:
+    description: A KEY=VALUE file loaded into the job's environment (systemd C(EnvironmentFile=) syntax). Must exist.
+    type: path
+  environment:
+    description: Extra environment variables; they override the file.
+    type: dict
+    default: {}
+  working_directory:
+    description: Working directory of the job. Must exist.
+    type: path
+  user:
+    description: Run the job as this user (must exist). Defaults to the user Ansible runs as.
+    type: str
+  log_path:
+    description: File that receives stdout and stderr (appended). Its directory is created if missing.
+    type: path
+  config_path:
+    description: The job's config file; its content enters the config hash so that editing it restarts the job.
+    type: path
+  backend:
+    description:
+      - V(auto) picks V(systemd) when C(/run/systemd/system) exists and PID 1 is systemd, else V(daemon).
+    type: str
+    choices: [auto, systemd, daemon]
+    default: auto
+  stop_timeout:
+    description: Seconds between SIGTERM and SIGKILL (C(TimeoutStopSec)). The trainer checkpoints on SIGTERM.
+    type: int
+    default: 90
+  gpu_ids:
+    description: GPU indexes the job uses; after a stop the module waits until they release their memory.
+    type: list
+    elements: int
+    default: []
+  gpu_release_timeout:
+    description: Seconds to wait for the GPUs to release; the task fails if they do not (another process holds them).
+    type: int
+    default: 120
+  gpu_release_threshold_mib:
+    description: A GPU counts as released once its used memory is at most this many MiB.
+    type: int
+    default: 1024
+  compile_cache_dir:
+    description: Directory emptied (not deleted) during the restart sequence, e.g. C(TORCHINDUCTOR_CACHE_DIR).
+    type: path
+  state_dir:
+    description: Where the config hash, pidfile and last exit status are kept. Default C(/var/lib/dflash/units/NAME).
+    type: path
+requirements:
+  - systemd-run and systemctl for the systemd backend; nvidia-smi to wait for GPU release (skipped without it).
+attributes:
+  check_mode:
+    support: full
+    description: Reports the action it would take (none, started, restarted, stopped, removed) without taking it.
+  diff_mode:
+    support: full
+    description: Before/after of the config hash and the unit's state.
+"""
+
+EXAMPLES = r"""
+- name: Launch the trainer (restarts it if its command, environment or config changed)
+  dflash_unit:
+    name: dflash-train
+    command: [/opt/dflash/venv/bin/python, -m, dflash, train, /etc/dflash/dflash-train.yaml]
+    environment_file: /etc/dflash/dflash-train.env
+    environment:
+      PYTHONPATH: /opt/dflash/current
+    working_directory: /var/lib/dflash/runs/dflash-train
+    user: dflash
+    log_path: /var/log/dflash/dflash-train.log
+    config_path: /etc/dflash/dflash-train.yaml
+    gpu_ids: [0, 1, 2, 3, 4, 5, 6, 7]
+    compile_cache_dir: /var/cache/dflash/inductor
+
+- name: Stop it (SIGTERM, checkpoint, exit; SIGKILL after 120 s)
+  dflash_unit:
+    name: dflash-train
+    state: stopped
+    stop_timeout: 120
+"""
+
+RETURN = r"""
+changed:
+  description: Whether the job was started, restarted, stopped or removed.
+  returned: always
+  type: bool
+action:
+  description: What was done.
+  returned: always
+  type: str
+  sample: restarted
+backend:
+  description: The backend used (after resolving V(auto)).
+  returned: always
+  type: str
+  sample: systemd
+active_state:
+  description: systemd-style ActiveState after the action (active, inactive, failed, ...).
+  returned: always
+  type: str
+sub_state:
+  description: systemd-style SubState after the action (running, dead, failed, ...).
+  returned: always
+  type: str
+main_pid:
+  description: PID of the unit's main process (the daemon backend's wrapper), or null.
+  returned: always
+  type: int
+exit_status:
+  description: Last exit status of the job (128+N for a signal), or null while running / unknown.
+  returned: always
+  type: int
+config_hash:
+  description: sha256 of the launch configuration (null for stopped/absent without a command).
+  returned: always
+  type: str
+previous_hash:
+  description: The hash recorded at the previous launch, or null.
+  returned: always
+  type: str
+gpu_release:
+  description: The GPU release wait of the restart sequence (gpu_ids, released, waited_s, still_used, skipped).
+  returned: when the job was stopped or (re)started
+  type: dict
+compile_cache_cleared:
+  description: Whether the compile cache held files that were deleted.
+  returned: always
+  type: bool
+status_before:
+  description: The unit's state before the action.
+  returned: always
+  type: dict
+"""
+
+import os
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.dflash_gpu import GpuQueryError
+from ansible.module_utils.dflash_host import ModuleHost, read_text
+from ansible.module_utils.dflash_unit import (
+    UnitError,
+    config_hash,
+    default_state_dir,
+    ensure,
+    get_backend,
+    resolve_backend,
+)
+
+
+def _describe(hash_value, status):
+    return "config_hash: {}\nactive_state: {}\n".format(hash_value or "-", status)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "name": {"type": "str", "required": True},
+            "state": {"type": "str", "default": "started", "choices": ["started", "restarted", "stopped", "absent"]},
+            "command": {"type": "list", "elements": "str"},
+            "environment_file": {"type": "path"},
+            "environment": {"type": "dict", "default": {}},
+            "working_directory": {"type": "path"},
+            "user": {"type": "str"},
+            "log_path": {"type": "path"},
+            "config_path": {"type": "path"},
+            "backend": {"type": "str", "default": "auto", "choices": ["auto", "systemd", "daemon"]},
+            "stop_timeout": {"type": "int", "default": 90},
+            "gpu_ids": {"type": "list", "elements": "int", "default": []},
+            "gpu_release_timeout": {"type": "int", "default": 120},
+            "gpu_release_threshold_mib": {"type": "int", "default": 1024},
+            "compile_cache_dir": {"type": "path"},
+            "state_dir": {"type": "path"},
+        },
+        required_if=[
+            ("state", "started", ("command", "log_path")),
+            ("state", "restarted", ("command", "log_path")),
+        ],
+        supports_check_mode=True,
+    )
+    p = module.params
+    name = p["name"]
+    if "/" in name or name.startswith(".") or not name.strip():
+        module.fail_json(msg=f"name {name!r} is not a valid job name: use letters, digits, '-', '_' or '.'")
+    launching = p["state"] in ("started", "restarted")
+    env_text = config_text = None
+    if launching:
+        if not p["command"]:
+            module.fail_json(msg="command must list at least the program to run, e.g. [/opt/dflash/venv/bin/python, -m, dflash, train, CONFIG]")
+        if p["environment_file"]:
+            env_text = read_text(p["environment_file"])
+            if env_text is None:
+                module.fail_json(
+                    msg=f"environment_file {p['environment_file']} does not exist: write it first (the env role does) or drop the option"
+                )
+        if p["config_path"]:
+            config_text = read_text(p["config_path"])
+            if config_text is None:
+                module.fail_json(msg=f"config_path {p['config_path']} does not exist: render the run config before launching")
+    spec = {
+        "name": name,
+        "command": p["command"] or [],
+        "environment": {k: str(v) for k, v in p["environment"].items()},
+        "environment_file": p["environment_file"],
+        "working_directory": p["working_directory"],
+        "user": p["user"],
+        "log_path": p["log_path"] or os.path.join("/var/log/dflash", name + ".log"),
+        "stop_timeout": p["stop_timeout"],
+        "gpu_ids": p["gpu_ids"],
+        "gpu_release_timeout": p["gpu_release_timeout"],
+        "gpu_release_threshold_mib": p["gpu_release_threshold_mib"],
+        "compile_cache_dir": p["compile_cache_dir"],
+        "state_dir": p["state_dir"] or default_state_dir(name),
+        "config_hash": config_hash(p["command"], spec_env(p), env_text, config_text, p["working_directory"], p["user"])
+        if launching
+        else None,
+    }
+    host = ModuleHost(module)
+    try:
+        backend_name = resolve_backend(p["backend"])
+        if backend_name == "systemd" and not host.which("systemd-run"):
+            module.fail_json(msg="backend systemd needs systemd-run, which is not installed: install systemd or use backend=daemon")
+        result = ensure(spec, p["state"], get_backend(backend_name, host), host, check_mode=module.check_mode)
+    except (UnitError, GpuQueryError) as exc:
+        module.fail_json(msg=str(exc))
+    except OSError as exc:
+        module.fail_json(msg=f"dflash_unit {name}: {exc}", exception=traceback.format_exc())
+    if module._diff:
+        before = result["status_before"]
+        after_state = result["active_state"] if not module.check_mode else {
+            "started": "active", "restarted": "active", "stopped": "inactive", "absent": "absent", "none": before["active_state"]
+        }[result["action"] if result["action"] != "removed" else "absent"]  # fmt: skip
+        result["diff"] = {
+            "before": _describe(result["previous_hash"], before["active_state"]),
+            "after": _describe(result["config_hash"] if launching else result["previous_hash"], after_state),
+        }
+    module.exit_json(**result)
+
+
+def spec_env(params):
+    return {k: str(v) for k, v in params["environment"].items()}
+
+
+if __name__ == "__main__":
+    main()
