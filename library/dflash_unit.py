@@ -14,9 +14,10 @@ description:
     -p StandardOutput=append:LOG -p StandardError=append:LOG [-p EnvironmentFile=] [-p WorkingDirectory=] [-p User=]
     [--setenv K=V] -- COMMAND). Without C(--collect), so a failed unit and its exit status remain;
     C(systemctl reset-failed) runs before a relaunch.
-  - The C(daemon) backend, for hosts without systemd, double-forks into a new session and its own process group,
-    redirects stdout/stderr (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command under a
-    tiny C(sh) wrapper that records its exit status in C(state_dir/exit_status). Stop is SIGTERM to the process group
+  - The C(daemon) backend, for hosts without systemd, double-forks into a new session, redirects stdout/stderr
+    (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command in its own process group under a
+    tiny supervisor process (outside that group) that records the exit status in C(state_dir/exit_status), also after
+    a SIGKILL. Stop is SIGTERM to the job's process group
     (plus processes that left the group but carry the job's C(DFLASH_UNIT_ID) marker), then SIGKILL after
     O(stop_timeout). Never by process name.
   - Idempotence by a config hash of O(command), O(environment), the content of O(environment_file), the content of
@@ -149,7 +150,7 @@ sub_state:
   returned: always
   type: str
 main_pid:
-  description: PID of the unit's main process (the daemon backend's wrapper), or null.
+  description: PID of the unit's main process (the command itself, for both backends), or null.
   returned: always
   type: int
 exit_status:

@@ -25,16 +25,9 @@ import time
 
 from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, gpus_below, query_gpus
 from ansible.module_utils.dflash_host import read_text, tail_lines
-from ansible.module_utils.dflash_unit import is_running, proc_stat
+from ansible.module_utils.dflash_unit import is_running, pid_alive
 
 INVARIANTS = ("log", "unit", "gpu", "progress")
-
-
-def pid_alive(pid):
-    if not pid:
-        return False
-    stat = proc_stat(int(pid))
-    return stat is not None and stat[0] not in ("Z", "X")
 
 
 def read_heartbeat(path):

@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import signal
+import sys
 import time
 import uuid
 
@@ -26,20 +27,49 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 RUNNING_STATES = ("active", "activating", "deactivating", "reloading")
 ACTIONS = ("none", "started", "restarted", "stopped", "removed")
 
-# The daemon backend runs the command under this wrapper so the exit status survives the
-# process: $1 is the exit-status file, the rest is the command. The TERM/INT/HUP trap
-# (a command, not '') lets the wrapper outlive a process-group SIGTERM long enough to
-# record the trainer's status, and is reset to the default in the trainer itself.
-DAEMON_WRAPPER = """exit_file=$1; shift
-trap : TERM INT HUP
-"$@" &
-child=$!
-while :; do
-  wait "$child"; rc=$?
-  kill -0 "$child" 2>/dev/null || break
-done
-printf '%s\\n' "$rc" > "$exit_file"
-exit "$rc"
+# The daemon backend's supervisor: a tiny root process, outside the job's process group,
+# that forks the job into its own group, reports the job's pid through a pipe, waits and
+# records the exit status (128+N for a signal, SIGKILL included) in the state directory.
+# argv: EXIT_FILE PIPE_FD UID GID USER WORKDIR TOKEN -- COMMAND...  ("-" for UID/GID/USER = no change).
+# Only the job gets the DFLASH_UNIT_ID=TOKEN marker, so stopping the job never hits the supervisor.
+DAEMON_SUPERVISOR = """
+import os, signal, sys
+exit_file, pipe_fd, uid, gid, user, workdir, token = sys.argv[1:8]
+cmd = sys.argv[9:]
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+pid = os.fork()
+if pid == 0:
+    try:
+        os.setpgid(0, 0)
+        os.close(int(pipe_fd))
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        if user != "-":
+            os.initgroups(user, int(gid))
+            os.setgid(int(gid))
+            os.setuid(int(uid))
+        os.chdir(workdir)
+        os.environ["DFLASH_UNIT_ID"] = token
+        os.execvp(cmd[0], cmd)
+    except BaseException as exc:
+        sys.stderr.write("dflash-unit: cannot run %r: %s\\n" % (cmd[0], exc))
+        sys.stderr.flush()
+        os._exit(127)
+try:
+    os.setpgid(pid, pid)
+except OSError:
+    pass
+os.write(int(pipe_fd), ("%d %d" % (pid, os.getpid())).encode())
+os.close(int(pipe_fd))
+status = os.waitpid(pid, 0)[1]
+code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+tmp = exit_file + ".tmp"
+with open(tmp, "w") as handle:
+    handle.write("%d\\n" % code)
+    handle.flush()
+    os.fsync(handle.fileno())
+os.replace(tmp, exit_file)
 """
 
 
@@ -295,6 +325,13 @@ def proc_stat(pid):
         return None
 
 
+def pid_alive(pid):
+    if not pid:
+        return False
+    stat = proc_stat(int(pid))
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
 def _environ_has(pid, marker):
     try:
         with open(f"/proc/{int(pid)}/environ", "rb") as handle:
@@ -381,6 +418,9 @@ class DaemonBackend:
         exit_status = read_exit_status(spec["state_dir"])
         if self._alive(record):
             status.update(active_state="active", sub_state="running", main_pid=int(record["pid"]))
+        elif record is not None and exit_status is None and pid_alive(record.get("supervisor_pid")):
+            # The job is gone and its supervisor is about to record the exit status.
+            status.update(active_state="deactivating", sub_state="stop-post")
         elif exit_status is not None:
             status["exit_status"] = exit_status
             if exit_status == 0:
@@ -388,7 +428,7 @@ class DaemonBackend:
             else:
                 status.update(active_state="failed", sub_state="failed", result="exit-code")
         elif record is not None:
-            # Gone without a recorded status: the wrapper itself was killed (SIGKILL, OOM killer).
+            # Gone without a recorded status: the supervisor was killed (e.g. by the OOM killer).
             status.update(active_state="failed", sub_state="failed", result="signal")
         return status
 
@@ -403,29 +443,25 @@ class DaemonBackend:
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
         exit_file = os.path.join(state_dir, "exit_status")
-        # The wrapper runs as the job's user: give it a fresh, writable exit-status file.
-        with open(exit_file, "w"):
-            pass
-        if os.getuid() == 0:
-            os.chown(exit_file, pw.pw_uid, pw.pw_gid)
+        if os.path.exists(exit_file):
+            os.unlink(exit_file)
         token = uuid.uuid4().hex
         env = build_daemon_environment(spec, pw)
-        env["DFLASH_UNIT_ID"] = token
         workdir = spec.get("working_directory") or pw.pw_dir or "/"
         if not os.path.isdir(workdir):
             raise UnitError(f"working_directory {workdir!r} does not exist: create it or change working_directory")
-        argv = ["sh", "-c", DAEMON_WRAPPER, "dflash-unit:" + spec["name"], exit_file, *spec["command"]]
-
+        drop = spec.get("user") and os.getuid() == 0 and pw.pw_uid != 0
         read_fd, write_fd = os.pipe()
+        argv = [sys.executable, "-I", "-c", DAEMON_SUPERVISOR, exit_file, str(write_fd),
+                str(pw.pw_uid) if drop else "-", str(pw.pw_gid) if drop else "-", pw.pw_name if drop else "-",
+                workdir, token, "--", *spec["command"]]  # fmt: skip
         child = os.fork()
-        if child == 0:  # first child: new session, fork the job, report its pid, leave
+        if child == 0:  # first child: new session, fork the supervisor, leave
             try:
                 os.close(read_fd)
                 os.setsid()
-                job = os.fork()
-                if job == 0:
-                    _exec_job(argv, env, workdir, spec["log_path"], pw, spec.get("user"), write_fd)
-                os.write(write_fd, b"%d" % job)
+                if os.fork() == 0:
+                    _exec_supervisor(argv, env, spec["log_path"], write_fd)
             finally:
                 os._exit(0)
         os.close(write_fd)
@@ -438,12 +474,13 @@ class DaemonBackend:
         os.close(read_fd)
         os.waitpid(child, 0)
         if not data:
-            raise UnitError("could not fork the daemon for {}".format(spec["name"]))
-        pid = int(data)
+            raise UnitError(f"could not start the daemon for {spec['name']}: see {spec['log_path']}")
+        pid, supervisor = (int(x) for x in data.split())
         stat = proc_stat(pid)
         record = {
             "pid": pid,
             "pgid": pid,
+            "supervisor_pid": supervisor,
             "token": token,
             "starttime": stat[2] if stat else None,
             "started_at": time.time(),
@@ -460,8 +497,10 @@ class DaemonBackend:
         timeout = float(spec.get("stop_timeout", 90))
         if job_processes(pgid, token):
             _signal(pgid, signal.SIGTERM, group=True)
-            for pid in job_processes(pgid, token):  # the ones that left the group
-                _signal(pid, signal.SIGTERM)
+            for pid in job_processes(pgid, token):  # only the ones that left the group: one TERM each
+                stat = proc_stat(pid)
+                if stat is not None and stat[1] != pgid:
+                    _signal(pid, signal.SIGTERM)
             deadline = self.host.now() + timeout
             while job_processes(pgid, token) and self.host.now() < deadline:
                 self.host.sleep(0.2)
@@ -475,39 +514,35 @@ class DaemonBackend:
                     self.host.sleep(0.1)
                 if job_processes(pgid, token):
                     raise UnitError(f"processes {job_processes(pgid, token)} of {spec['name']} survived SIGKILL")
-                if read_exit_status(spec["state_dir"]) is None:
-                    write_exit_status(self.host, spec["state_dir"], 128 + signal.SIGKILL)
+        # The supervisor records the status right after the job is reaped.
+        deadline = self.host.now() + 5
+        while read_exit_status(spec["state_dir"]) is None and self.host.now() < deadline:
+            self.host.sleep(0.05)
         return self.status(spec)
 
     def remove(self, spec):
         pass
 
 
-def _exec_job(argv, env, workdir, log_path, pw, user, pipe_fd):
-    """In the forked job process: detach fds, drop privileges, reset signals, exec. Never returns."""
+def _exec_supervisor(argv, env, log_path, pipe_fd):
+    """In the forked supervisor: detach from the caller's fds, exec the supervisor. Never returns."""
     try:
-        os.close(pipe_fd)
-        os.setpgid(0, 0)
         os.umask(0o022)
         null = os.open(os.devnull, os.O_RDONLY)
         log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        # Nothing of the caller (Ansible's pipes!) may stay open, or it would wait for us.
-        os.closerange(3, 65536)
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_DFL)
+        # Nothing of the caller (Ansible's pipes!) may stay open, or it would wait for the job.
+        os.closerange(3, pipe_fd)
+        os.closerange(pipe_fd + 1, 65536)
+        os.set_inheritable(pipe_fd, True)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        if user and os.getuid() == 0 and pw.pw_uid != 0:
-            os.initgroups(pw.pw_name, pw.pw_gid)
-            os.setgid(pw.pw_gid)
-            os.setuid(pw.pw_uid)
-        os.chdir(workdir)
-        os.execve("/bin/sh", argv, env)
+        os.chdir("/")
+        os.execve(argv[0], argv, env)
     except BaseException as exc:  # noqa: BLE001 - report anything into the job's log
         try:
-            os.write(2, (f"dflash-unit: cannot start job: {exc}\n").encode())
+            os.write(2, f"dflash-unit: cannot start the supervisor: {exc}\n".encode())
         finally:
             os._exit(127)
 

@@ -1,0 +1,229 @@
+"""dflash_unit decisions without processes: hash, plan, systemd command line and state parsing, sequence order."""
+
+from __future__ import annotations
+
+import pytest
+from ansible.module_utils.dflash_unit import (
+    UnitError,
+    clear_directory,
+    config_hash,
+    ensure,
+    parse_environment_file,
+    parse_systemctl_show,
+    plan_action,
+    resolve_backend,
+    systemd_run_args,
+)
+
+BASE = {"command": ["/opt/dflash/venv/bin/python", "-m", "dflash", "train", "/etc/dflash/j.yaml"],
+        "environment": {"PYTHONPATH": "/opt/dflash/current"}, "environment_file_text": "A=1\n",
+        "config_text": "output_dir: /r\n", "working_directory": "/r", "user": "dflash"}  # fmt: skip
+
+
+def test_hash_is_stable_and_order_insensitive_for_environment():
+    a = config_hash(**BASE)
+    b = config_hash(**{**BASE, "environment": dict(reversed(list({"X": "1", **BASE["environment"]}.items())))})
+    assert a == config_hash(**BASE)
+    assert b == config_hash(**{**BASE, "environment": {**BASE["environment"], "X": "1"}})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"command": BASE["command"] + ["optim.lr=1e-4"]},
+        {"environment": {"PYTHONPATH": "/elsewhere"}},
+        {"environment_file_text": "A=2\n"},
+        {"config_text": "output_dir: /r\nseed: 1\n"},
+        {"working_directory": "/other"},
+        {"user": "root"},
+    ],
+)
+def test_every_input_changes_the_hash(change):
+    assert config_hash(**{**BASE, **change}) != config_hash(**BASE)
+
+
+@pytest.mark.parametrize(
+    ("state", "running", "present", "same_hash", "expected"),
+    [
+        ("started", True, True, True, "none"),
+        ("started", True, True, False, "restarted"),
+        ("started", False, True, True, "started"),  # crashed with the same config: relaunch
+        ("started", False, False, False, "started"),
+        ("restarted", True, True, True, "restarted"),
+        ("restarted", False, True, True, "started"),
+        ("stopped", True, True, True, "stopped"),
+        ("stopped", False, True, True, "none"),
+        ("absent", False, True, True, "removed"),
+        ("absent", True, True, True, "removed"),
+        ("absent", False, False, True, "none"),
+    ],
+)
+def test_plan(state, running, present, same_hash, expected):
+    assert plan_action(state, running, present, "h1", "h1" if same_hash else "h0") == expected
+
+
+def test_plan_rejects_unknown_state():
+    with pytest.raises(UnitError, match="unknown state"):
+        plan_action("running", True, True, "a", "a")
+
+
+def test_environment_file_syntax():
+    text = '# comment\n; also\n\nA=1\nB="two words"\nC=\'x=y\'\nexport D=4\nnot a line\n E = 5 \n'
+    assert parse_environment_file(text) == {"A": "1", "B": "two words", "C": "x=y", "D": "4", "E": "5"}
+
+
+def test_systemd_run_command_line():
+    spec = {
+        "name": "dflash-train", "command": ["/v/bin/python", "-m", "dflash", "train", "/etc/dflash/c.yaml"],
+        "log_path": "/var/log/dflash/j.log", "stop_timeout": 120, "environment_file": "/etc/dflash/j.env",
+        "working_directory": "/var/lib/dflash/runs/j", "user": "dflash",
+        "environment": {"PYTHONPATH": "/opt/dflash/current", "A": "b c"},
+    }  # fmt: skip
+    assert systemd_run_args(spec) == [
+        "systemd-run", "--unit=dflash-train.service", "--description=dflash job dflash-train",
+        "-p", "Type=exec", "-p", "KillMode=mixed", "-p", "TimeoutStopSec=120s",
+        "-p", "StandardOutput=append:/var/log/dflash/j.log", "-p", "StandardError=append:/var/log/dflash/j.log",
+        "-p", "EnvironmentFile=/etc/dflash/j.env", "-p", "WorkingDirectory=/var/lib/dflash/runs/j", "-p", "User=dflash",
+        "--setenv=A=b c", "--setenv=PYTHONPATH=/opt/dflash/current",
+        "--", "/v/bin/python", "-m", "dflash", "train", "/etc/dflash/c.yaml",
+    ]  # fmt: skip
+    assert "--collect" not in systemd_run_args(spec)
+
+
+def test_systemctl_show_running():
+    s = parse_systemctl_show("LoadState=loaded\nActiveState=active\nSubState=running\nMainPID=4242\nExecMainStatus=0\nExecMainCode=0\nResult=success\n")
+    assert (s["active_state"], s["sub_state"], s["main_pid"], s["exit_status"]) == ("active", "running", 4242, None)
+
+
+def test_systemctl_show_failed_keeps_exit_status():
+    s = parse_systemctl_show("LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\nExecMainStatus=2\nExecMainCode=1\nResult=exit-code\n")
+    assert (s["active_state"], s["main_pid"], s["exit_status"], s["result"]) == ("failed", None, 2, "exit-code")
+
+
+def test_systemctl_show_killed_by_signal_and_unknown_unit():
+    s = parse_systemctl_show("LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\nExecMainStatus=9\nExecMainCode=2\nResult=signal\n")
+    assert s["exit_status"] == 137
+    s = parse_systemctl_show("LoadState=not-found\nActiveState=inactive\nSubState=dead\nMainPID=0\nExecMainStatus=0\nExecMainCode=0\n")
+    assert (s["load_state"], s["exit_status"], s["main_pid"]) == ("not-found", None, None)
+
+
+def test_backend_detection(tmp_path):
+    run_dir, comm = tmp_path / "run-systemd-system", tmp_path / "comm"
+    comm.write_text("systemd\n")
+    assert resolve_backend("auto", str(run_dir), str(comm)) == "daemon"  # no /run/systemd/system
+    run_dir.mkdir()
+    assert resolve_backend("auto", str(run_dir), str(comm)) == "systemd"
+    comm.write_text("bash\n")  # systemd installed but not PID 1 (a plain container, the GPU machine)
+    assert resolve_backend("auto", str(run_dir), str(comm)) == "daemon"
+    assert resolve_backend("systemd", str(tmp_path / "x"), str(comm)) == "systemd"
+    with pytest.raises(UnitError):
+        resolve_backend("upstart")
+
+
+def test_clear_directory_refuses_shallow_paths(tmp_path):
+    for bad in ("/", "/tmp", "/var"):
+        with pytest.raises(UnitError, match="refusing"):
+            clear_directory(bad)
+    cache = tmp_path / "cache"
+    (cache / "sub").mkdir(parents=True)
+    (cache / "sub" / "f").write_text("x")
+    (cache / "g").write_text("y")
+    assert clear_directory(str(cache)) is True
+    assert cache.is_dir() and list(cache.iterdir()) == []
+    assert clear_directory(str(cache)) is False
+    assert clear_directory(str(tmp_path / "missing")) is False
+
+
+class RecordingBackend:
+    name = "fake"
+
+    def __init__(self, running, log):
+        self.running, self.log = running, log
+
+    def status(self, spec):
+        return {"load_state": "loaded", "active_state": "active" if self.running else "inactive", "sub_state": "x",
+                "main_pid": 1 if self.running else None, "exit_status": None, "result": None}  # fmt: skip
+
+    def present(self, spec, status):
+        return True
+
+    def stop(self, spec):
+        self.log.append("stop")
+        self.running = False
+
+    def start(self, spec):
+        self.log.append("start")
+        self.running = True
+
+    def remove(self, spec):
+        self.log.append("remove")
+
+
+def _spec(tmp_path, **kw):
+    return {"name": "j", "state_dir": str(tmp_path / "state"), "config_hash": "new", "gpu_ids": [0, 1],
+            "gpu_release_timeout": 10, "gpu_release_threshold_mib": 1024, "compile_cache_dir": str(tmp_path / "cc" / "inductor"),
+            "settle_time": 0, **kw}  # fmt: skip
+
+
+def _gpu_answer(used_per_call):
+    calls = iter(used_per_call)
+
+    def answer(host):
+        used = next(calls)
+        host_log.append(f"gpu {used}")
+        return 0, "".join(f"{i}, GPU-{i}, NVIDIA H200, 580.159.04, 143771, {u}, 0, Disabled\n" for i, u in enumerate(used)), ""
+
+    host_log = []
+    answer.log = host_log
+    return answer
+
+
+def test_restart_sequence_order_and_hash_update(tmp_path, fake_host):
+    log = []
+    gpu = _gpu_answer([(70000, 70000), (30000, 10), (10, 10)])
+    host = fake_host({"--query-gpu": lambda h: (log.append("gpu"), gpu(h))[1]})
+    cache = tmp_path / "cc" / "inductor"
+    (cache / "triton").mkdir(parents=True)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "config_hash").write_text("old\n")
+    backend = RecordingBackend(running=True, log=log)
+    real_start = backend.start
+    backend.start = lambda spec: (log.append(f"cache empty={not any(cache.iterdir())}"), real_start(spec))
+    result = ensure(_spec(tmp_path), "started", backend, host)
+    assert result["action"] == "restarted" and result["changed"]
+    assert result["previous_hash"] == "old" and result["config_hash"] == "new"
+    # stop, then GPUs polled until released, then the cache is empty at start.
+    assert log == ["stop", "gpu", "gpu", "gpu", "cache empty=True", "start"]
+    assert result["gpu_release"]["released"] and result["compile_cache_cleared"]
+    assert (tmp_path / "state" / "config_hash").read_text() == "new\n"
+
+
+def test_same_hash_and_running_is_no_change(tmp_path, fake_host):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "config_hash").write_text("new\n")
+    log = []
+    result = ensure(_spec(tmp_path), "started", RecordingBackend(True, log), fake_host())
+    assert (result["action"], result["changed"], log) == ("none", False, [])
+
+
+def test_check_mode_changes_nothing(tmp_path, fake_host):
+    log = []
+    result = ensure(_spec(tmp_path), "started", RecordingBackend(True, log), fake_host(), check_mode=True)
+    assert result["action"] == "restarted" and result["changed"] and log == []
+    assert not (tmp_path / "state" / "config_hash").exists()
+
+
+def test_gpus_that_never_release_fail_before_start(tmp_path, fake_host):
+    host = fake_host({"--query-gpu": (0, "0, GPU-0, NVIDIA H200, 580.159.04, 143771, 50000, 0, Disabled\n1, GPU-1, NVIDIA H200, 580.159.04, 143771, 0, 0, Disabled\n", "")})
+    log = []
+    with pytest.raises(UnitError, match=r"did not release.*GPU 0: 50000 MiB.*gpu_release_timeout"):
+        ensure(_spec(tmp_path), "restarted", RecordingBackend(True, log), host)
+    assert log == ["stop"]  # never started on busy GPUs
+    assert host.clock >= 10
+
+
+def test_gpu_wait_is_skipped_without_nvidia_smi(tmp_path, fake_host):
+    log = []
+    result = ensure(_spec(tmp_path), "started", RecordingBackend(False, log), fake_host(which={}))
+    assert result["action"] == "started" and log == ["stop", "start"]
+    assert result["gpu_release"]["skipped"] == "nvidia-smi not found"
