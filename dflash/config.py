@@ -83,6 +83,7 @@ class OptimConfig:
     warmup_ratio: float = 0.04
     epochs: int = 6
     max_steps: int | None = None  # stop earlier than `epochs` (also sets the schedule length)
+    grad_accum: int = 1  # micro-batches per rank per step; global batch = grad_accum x data-parallel ranks
     min_lr_ratio: float = 0.0
 
 
@@ -120,6 +121,7 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = None  # torch CPU threads
     deterministic: bool = False
+    peak_tflops: float | None = None  # for MFU; default: known GPUs (H100/H200: 790 measured bf16)
 
 
 @dataclass
@@ -353,6 +355,7 @@ def validate(config: RunConfig) -> None:
     _require(o.grad_clip > 0, "optim.grad_clip must be > 0")
     _require(o.epochs >= 1, "optim.epochs must be >= 1")
     _require(o.max_steps is None or o.max_steps >= 1, "optim.max_steps must be >= 1 or null")
+    _require(o.grad_accum >= 1, f"optim.grad_accum must be >= 1 (got {o.grad_accum})")
     _require(config.checkpoint.interval >= 1, "checkpoint.interval must be >= 1")
     _require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     _require(config.logging.interval >= 1, "logging.interval must be >= 1")
@@ -360,6 +363,12 @@ def validate(config: RunConfig) -> None:
 
 
 def validate_topology(top: TopologyConfig) -> None:
+    _require(top.nnodes >= 1, f"topology.nnodes must be >= 1 (got {top.nnodes})")
+    _require(0 <= top.node_rank < top.nnodes,
+             f"topology.node_rank {top.node_rank} is outside 0..{top.nnodes - 1} (topology.nnodes={top.nnodes})")
+    _require(1 <= top.master_port <= 65535, f"topology.master_port {top.master_port} is not a TCP port")
+    _require(top.timeout_s >= 1, f"topology.timeout_s must be >= 1 second (got {top.timeout_s})")
+    _require(top.max_inflight >= 1, f"topology.max_inflight must be >= 1 (got {top.max_inflight})")
     if top.mode == "colocated":
         _require(top.nproc >= 1, "topology.nproc must be >= 1")
         return

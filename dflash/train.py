@@ -6,6 +6,7 @@ Distributed topologies (dflash.distributed) reuse these pieces.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -23,7 +24,8 @@ from dflash.config import RunConfig, default_gamma, resolved_layer_ids
 from dflash.data.buckets import Batch, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet, load_tokenized, tokenize_conversations
 from dflash.errors import BadInput, DataError
-from dflash.loss import BlockStats, build_blocks, sample_anchors, weighted_block_loss
+from dflash.flops import drafter_step_flops, peak_flops
+from dflash.loss import BlockStats, build_blocks, position_weights, sample_anchors, weighted_block_loss
 from dflash.models.attention import compiled_flex_attention, resolve_kind
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model, num_layers_of
@@ -111,23 +113,26 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, rank: int = 0, world_size: int = 1, is_reporter: bool = True):
+    def __init__(self, config: RunConfig, rank: int = 0, world_size: int = 1, is_reporter: bool = True,
+                 device: torch.device | None = None):
         self.config = config
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size = rank, world_size  # position among the data-parallel drafter ranks
+        self._device = device  # set by dflash.distributed (the rank's GPU); else runtime.device
         self.is_reporter = is_reporter
         self.step = 0
         self.stop_requested = False
         self.ddp_model = None  # set by dflash.distributed for data-parallel drafter ranks
 
     # ------------------------------------------------------------------------------------------ setup
-    def setup(self, with_target: bool = True) -> Trainer:
+    def setup(self, with_target: bool = True, with_drafter: bool = True) -> Trainer:
+        """with_target=False: disaggregated drafter rank; with_drafter=False: disaggregated target rank."""
         c = self.config
         if c.runtime.num_threads:
             torch.set_num_threads(c.runtime.num_threads)
         out = Path(c.output_dir)
         self.ckpt = CheckpointManager(ensure_writable(out / "checkpoints"), c.checkpoint.keep_last)
         self.layer_ids = resolved_layer_ids(c, num_layers_of(c.target.path, c.target.random_init))
-        self.device = pick_device(c.runtime.device)
+        self.device = self._device or pick_device(c.runtime.device)
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
         self.observer.heartbeat(0, 0, "starting")
         self.tokenizer = load_tokenizer(c)
@@ -136,16 +141,18 @@ class Trainer:
                             f"dropped with < {c.data.min_loss_tokens} loss tokens, {self.train_set.truncated} "
                             f"truncated to {c.data.max_length}); eval: {len(self.eval_set) if self.eval_set else 0}")
         self.target = self._load_target() if with_target else None
-        self._build_drafter()
         self.sampler = RoundRobinBatchSampler(self.train_set.lengths(), c.data.token_budget, c.data.bucket_size,
                                               c.data.max_length, seed=c.seed, rank=self.rank,
                                               world_size=self.world_size)
-        per_epoch = self.sampler.batches_per_epoch()
+        per_epoch = self.sampler.batches_per_epoch() // c.optim.grad_accum
         if per_epoch == 0:
-            raise DataError("the training data yields no batch; add samples or lower the number of ranks")
+            raise DataError("the training data yields no batch; add samples or lower the number of ranks "
+                            "or optim.grad_accum")
         self.total_steps = c.optim.max_steps or per_epoch * c.optim.epochs
-        self._build_optimizer()
-        self.resume()
+        if with_drafter:
+            self._build_drafter()
+            self._build_optimizer()
+            self.resume()
         return self
 
     def _load_target(self) -> Target:
@@ -285,6 +292,8 @@ class Trainer:
                               self.drafter.arch.mask_token_id)
         forward = model if model is not None else self._forward
         embed = self.embed_tokens()
+        self.last_flops = drafter_step_flops(self.drafter.arch, int(batch.lengths.sum()), anchors, valid,
+                                             int(blocks.label_valid.sum()))
         with self.autocast():
             hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self._flex)
             loss, correct = weighted_block_loss(hidden, self.lm_head_weight(), blocks, self.gamma, c.loss_chunk_size)
@@ -296,22 +305,66 @@ class Trainer:
     def lm_head_weight(self) -> torch.Tensor:
         return self.target.lm_head.weight
 
-    def optimizer_step(self, loss: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+    def optimizer_step(self, grad_scale: float = 1.0) -> None:
+        """Scale the accumulated gradients (the loss normaliser), clip, step."""
+        for p in self.drafter.parameters():
+            if p.grad is not None:
+                p.grad.mul_(grad_scale)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
 
-    def train_step(self) -> tuple[int, StepResult]:
+    def next_input(self) -> tuple[int, Batch, torch.Tensor]:
+        """(epoch, batch on the device, target features) of this rank's next micro-batch.
+
+        Disaggregated drafter ranks override this: they receive both from a target rank."""
         epoch, batch = self.next_batch()
         batch = batch.to(self.device)
-        feats = self.features(batch)
-        model = self.ddp_model
-        loss, stats = self.drafter_loss(feats, batch, step_generator(self.config.seed, self.step, self.rank), model)
-        self.optimizer_step(loss)
+        return epoch, batch, self.features(batch)
+
+    def loss_weight(self, stats: BlockStats) -> float:
+        """Sum of the position weights of the valid labels: the denominator of this micro-batch's loss."""
+        w = position_weights(self.config.drafter.block_size, self.gamma, stats.valid_per_pos.device)
+        return float((w * stats.valid_per_pos).sum())
+
+    def grad_sync(self, last_micro_batch: bool):
+        """Data-parallel ranks all-reduce gradients only in the backward of the last micro-batch."""
+        if self.ddp_model is None or last_micro_batch:
+            return contextlib.nullcontext()
+        return self.ddp_model.no_sync()
+
+    def reduce_step(self, totals: torch.Tensor) -> torch.Tensor:
+        """Hook: sum [weighted loss, weight] over the data-parallel ranks; single process: identity."""
+        return totals
+
+    def train_step(self) -> tuple[int, StepResult]:
+        """One optimizer step over optim.grad_accum micro-batches on each of world_size ranks.
+
+        The loss is the weighted CE over the whole global batch divided by its total weight, so any split
+        of the same global batch over ranks and micro-batches gives the same step (DESIGN §3, topology.md).
+        """
+        c = self.config
+        accum = c.optim.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = torch.zeros(2, dtype=torch.float64)
+        stats, tokens = None, 0
+        for k in range(accum):
+            epoch, batch, feats = self.next_input()
+            # micro-batch k of rank r is item k*world_size + r of the global batch: its anchors do not depend
+            # on how the global batch is split
+            generator = step_generator(c.seed, self.step, k * self.world_size + self.rank)
+            with self.grad_sync(k == accum - 1):
+                loss, st = self.drafter_loss(feats, batch, generator, self.ddp_model)
+                weight = self.loss_weight(st)
+                (loss * weight).backward()
+            totals += torch.tensor([float(loss.detach()) * weight, weight], dtype=torch.float64)
+            stats = st if stats is None else stats + st
+            tokens += batch.num_tokens
+        totals = self.reduce_step(totals)
+        # DDP averaged the gradients over world_size ranks; undo that and divide by the global weight
+        self.optimizer_step(self.world_size / max(float(totals[1]), 1e-12))
         self.step += 1
-        return epoch, StepResult(float(loss.detach()), stats, batch.num_tokens)
+        return epoch, StepResult(float(totals[0]) / max(float(totals[1]), 1e-12), stats, tokens)
 
     @torch.no_grad()
     def evaluate(self, dataset: TokenizedSet | None = None, max_batches: int = 50) -> BlockStats | None:
@@ -358,6 +411,7 @@ class Trainer:
             window["loss"] += res.loss
             window["n"] += 1
             window["tokens"] += res.tokens
+            window["flops"] = window.get("flops", 0.0) + self.last_flops.training
             window["stats"] = res.stats if window["stats"] is None else window["stats"] + res.stats
             if not math.isfinite(res.loss):
                 raise RuntimeError(f"loss is {res.loss} at step {self.step}; lower optim.lr or check the data")
@@ -392,6 +446,9 @@ class Trainer:
         record = {"step": self.step, "epoch": epoch, "loss": loss_sum / max(n, 1), "acc": stats.accuracy,
                   "tau": stats.tau, "tokens_per_s": tokens / elapsed, "lr": self.scheduler.get_last_lr()[0],
                   "mem_gib": self.memory_gib()}
+        peak = peak_flops(self.device, self.config.runtime.peak_tflops)
+        if peak:
+            record["mfu"] = window.get("flops", 0.0) / elapsed / peak
         self.observer.log(record)
         self.observer.heartbeat(self.step, epoch, "training", loss=record["loss"], tau=record["tau"],
                                 tokens_per_s=record["tokens_per_s"])

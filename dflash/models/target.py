@@ -55,8 +55,15 @@ class FastPathReport:
         return "; ".join(parts)
 
 
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def kernels_importable() -> tuple[bool, bool]:
-    return (importlib.util.find_spec("fla") is not None, importlib.util.find_spec("causal_conv1d") is not None)
+    return _importable("fla"), _importable("causal_conv1d")
 
 
 def _find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:

@@ -1,0 +1,433 @@
+"""One-call GPU measurement of dflash: ceilings, feature extraction, drafter step, end to end, hybrid fast path.
+
+Usage (on the GPU machine):  python bench/gpu_bench.py --sections all --out DIR
+Validate on a CPU first:      python bench/gpu_bench.py --tiny --sections features,drafter,e2e
+Each section appends to DIR/results.json; a summary table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.abc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 40960, "rope_theta": 1000000.0}
+QWEN36_27B = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+              "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+              "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+              "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16}
+TINY_DENSE = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+TINY_HYBRID = {"model_type": "qwen3_5_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+               "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+               "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2}
+
+RESULTS: dict = {}
+OUT: Path = Path(".")
+
+
+class _BlockKernels(importlib.abc.MetaPathFinder):
+    """DFLASH_BENCH_NO_KERNELS=1: behave as if flash-linear-attention / causal-conv1d were not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"fla", "causal_conv1d"}:
+            raise ModuleNotFoundError(f"blocked for the benchmark: {name}")
+        return None
+
+
+if os.environ.get("DFLASH_BENCH_NO_KERNELS") == "1":
+    sys.meta_path.insert(0, _BlockKernels())
+
+
+def record(section: str, data: dict) -> None:
+    RESULTS[section] = data
+    path = OUT / "results.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged[section] = data
+    path.write_text(json.dumps(merged, indent=2))
+    print(f"[{section}] {json.dumps(data)}", flush=True)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, warmup=2, iters=5) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def peak_mem_gib(fn) -> float:
+    if not torch.cuda.is_available():
+        return 0.0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    sync()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build(spec: dict, dtype=torch.bfloat16):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(spec)
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    with torch.device(device()):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------- sections
+def sec_ceilings(args):
+    if not torch.cuda.is_available():
+        return record("ceilings", {"skipped": "no GPU"})
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = timed(lambda: a @ b, 3, 10)
+    x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    tc = timed(lambda: y.copy_(x), 3, 10)
+    record("ceilings", {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "bf16_matmul_tflops": 2 * n**3 / t / 1e12, "copy_tb_s": 2 * x.numel() * 2 / tc / 1e12})
+
+
+def sec_features(args):
+    from dflash.config import default_layer_ids
+    from dflash.models.target import Target
+
+    spec = TINY_DENSE if args.tiny else QWEN3_8B
+    model = build(spec)
+    L = spec["num_hidden_layers"]
+    ids_tap = default_layer_ids(L, 5)
+    batch, seq = (2, 64) if args.tiny else (args.feat_batch, 3072)
+    ids = torch.randint(0, spec["vocab_size"], (batch, seq), device=device())
+    mask = torch.ones_like(ids)
+
+    def plain():
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+
+    ref = plain()
+    ref_feats = torch.cat([ref.hidden_states[i + 1] for i in ids_tap], -1)
+    del ref
+    t_plain = timed(plain, 1, 3 if not args.tiny else 2)
+    m_plain = peak_mem_gib(plain)
+    target = Target(model, ids_tap)
+
+    def hooks():
+        return target.features(ids, mask)
+
+    feats = hooks()
+    rel = float((feats.float() - ref_feats.float()).norm() / ref_feats.float().norm())
+    del feats, ref_feats
+    t_hooks = timed(hooks, 1, 3 if not args.tiny else 2)
+    m_hooks = peak_mem_gib(hooks)
+    toks = batch * seq
+    record("features", {"model": "Qwen3-8B-shaped" if not args.tiny else "tiny", "batch": batch, "seq": seq,
+                        "tapped": ids_tap, "plain_tok_s": toks / t_plain, "hooks_tok_s": toks / t_hooks,
+                        "speedup": t_plain / t_hooks, "plain_peak_gib": m_plain, "hooks_peak_gib": m_hooks,
+                        "rel_err_vs_hidden_states": rel})
+    del model, target
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def _drafter_setup(args):
+    from transformers import AutoConfig
+
+    from dflash.loss import build_blocks, sample_anchors
+    from dflash.models.drafter import Drafter, arch_from_target
+
+    spec = dict(TINY_DENSE if args.tiny else QWEN3_8B)
+    tcfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    seq, anchors_n, bsz, layers = (64, 8, 4, 2) if args.tiny else (3072, 512, 16, 5)
+    arch = arch_from_target(tcfg, num_layers=layers, block_size=bsz, layer_ids=[1, 9, 17, 25, 33][: 5],
+                            mask_token_id=0, vocab_size=tcfg.vocab_size)
+    dev = device()
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    drafter = Drafter(arch).to(dev)
+    embed = torch.nn.Embedding(tcfg.vocab_size, arch.hidden_size, device=dev, dtype=dt).requires_grad_(False)
+    head = (torch.randn(tcfg.vocab_size, arch.hidden_size, device=dev, dtype=dt) * 0.02)
+    feats = torch.randn(1, seq, len(arch.target_layer_ids) * arch.hidden_size, device=dev, dtype=dt)
+    ids = torch.randint(0, tcfg.vocab_size, (1, seq), device=dev)
+    loss_mask = torch.zeros(1, seq, dtype=torch.bool)
+    loss_mask[:, seq // 8:] = True  # a prompt then a long response
+    lengths = torch.tensor([seq])
+    anchors, valid = sample_anchors(loss_mask, lengths, anchors_n, torch.Generator().manual_seed(0))
+    blocks = build_blocks(ids, loss_mask.to(dev), lengths.to(dev), anchors, valid, bsz, 0)
+    return arch, drafter, embed, head, feats, blocks, seq
+
+
+def sec_drafter(args):
+    from dflash.flops import drafter_step_flops
+    from dflash.loss import weighted_block_loss
+    from dflash.models.attention import compiled_flex_attention
+
+    arch, drafter, embed, head, feats, blocks, seq = _drafter_setup(args)
+    dev = device()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    flops = drafter_step_flops(arch, seq, blocks.anchors, blocks.anchor_valid, int(blocks.label_valid.sum()))
+    peak = (args.peak_tflops or RESULTS.get("ceilings", {}).get("bf16_matmul_tflops") or 790.0) * 1e12
+    out = {"shape": {"hidden": arch.hidden_size, "layers": arch.num_hidden_layers, "block": arch.block_size,
+                     "anchors": int(blocks.anchor_valid.sum()), "seq": seq, "vocab": arch.vocab_size},
+           "flops_per_step": flops.training, "flops_detail": flops.__dict__, "variants": {}}
+    full_logits_gib = blocks.label_valid.numel() * arch.vocab_size * 4 / 2**30
+    out["full_vocab_logits_fp32_gib"] = full_logits_gib
+    variants = [("sdpa-dense", "sdpa", False), ("flex", "flex", False), ("flex+compile", "flex", True)]
+    if dev.type != "cuda":
+        variants = [("sdpa-dense", "sdpa", False)]
+    grads = {}
+    for name, kind, compile_model in variants:
+        try:
+            fwd = torch.compile(drafter.forward) if compile_model else drafter.forward
+            flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                    hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
+                    loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096)
+                loss.backward()
+                return loss
+
+            loss = step()
+            grads[name] = torch.cat([p.grad.flatten().float() for p in drafter.parameters()])
+            t = timed(lambda: (step(), opt.step()), 2, 5)
+            mem = peak_mem_gib(lambda: (step(), opt.step()))
+            out["variants"][name] = {"step_s": t, "tokens_per_s": seq / t,
+                                     "blocks_per_s": int(blocks.anchor_valid.sum()) / t,
+                                     "tflops": flops.training / t / 1e12, "mfu": flops.training / t / peak,
+                                     "peak_gib": mem, "loss": float(loss)}
+        except Exception as exc:  # keep the other variants
+            out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            traceback.print_exc()
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    if "sdpa-dense" in grads:
+        for name, g in grads.items():
+            if name != "sdpa-dense":
+                out["variants"][name]["grad_rel_err_vs_dense"] = float((g - grads["sdpa-dense"]).norm() / grads["sdpa-dense"].norm())
+    record("drafter", out)
+
+
+def sec_e2e(args):
+    """Colocated training on one GPU through the real Trainer, sweeping the token budget."""
+    from dflash.config import RunConfig, _build, validate
+    from dflash.train import Trainer
+
+    budgets = [128, 256] if args.tiny else [int(b) for b in args.budgets.split(",")]
+    spec = TINY_DENSE if args.tiny else QWEN3_8B
+    out = {"runs": []}
+    for budget in budgets:
+        cfg = {
+            "output_dir": str(OUT / f"e2e-{budget}"), "seed": 0,
+            "target": {"random_init": spec, "dtype": "bfloat16" if torch.cuda.is_available() else "float32",
+                       "layer_ids": [1, 3, 5] if args.tiny else None},
+            "tokenizer": {"synthetic_vocab_size": 400},
+            "drafter": {"num_layers": 2 if args.tiny else 5, "block_size": 4 if args.tiny else 16,
+                        "num_anchors": 8 if args.tiny else 512},
+            "data": {"synthetic": {"num_samples": 40 if args.tiny else 64, "min_length": 20 if args.tiny else 1400,
+                                   "max_length": 40 if args.tiny else 1500, "strides": [1, 2, 3]},
+                     "max_length": 128 if args.tiny else 3072, "token_budget": budget, "bucket_size": 64 if args.tiny else 512,
+                     "min_loss_tokens": 4, "eval_fraction": 0.0},
+            "optim": {"max_steps": 4 if args.tiny else args.e2e_steps, "warmup_ratio": 0.0},
+            "checkpoint": {"interval": 100000, "keep_last": 1, "resume": False},
+            "logging": {"interval": 2 if args.tiny else 5},
+            "runtime": {"device": "auto"},
+        }
+        try:
+            config = _build(RunConfig, cfg, "")
+            validate(config)
+            tr = Trainer(config).setup()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            tr.train_step()  # warm-up (compile, allocator)
+            sync()
+            n = config.optim.max_steps - 1
+            tokens = blocks = 0
+            flops = 0.0
+            t_feat = t_draft = 0.0
+            t0 = time.perf_counter()
+            for _ in range(n):
+                _, res = tr.train_step()
+                tokens += res.tokens
+                blocks += int(res.stats.num_blocks)
+                flops += tr.last_flops.training
+            sync()
+            wall = time.perf_counter() - t0
+            # the parts, timed separately on one batch: target features alone, drafter step alone
+            _, batch = tr.next_batch()
+            batch = batch.to(tr.device)
+            t_feat = timed(lambda: tr.features(batch), 1, 3)
+            feats = tr.features(batch)
+            gen = torch.Generator().manual_seed(0)
+
+            def dstep():
+                loss, _ = tr.drafter_loss(feats, batch, gen)
+                tr.optimizer_step(loss)
+
+            t_draft = timed(dstep, 1, 3)
+            per_step = wall / n
+            out["runs"].append({"token_budget": budget, "steps": n, "step_s": per_step,
+                                "target_tokens_per_s": tokens / wall, "anchor_blocks_per_s": blocks / wall,
+                                "sequences_per_s": tokens / wall / 1450 if not args.tiny else None,
+                                "parts_step_s": t_feat + t_draft, "features_s": t_feat, "drafter_s": t_draft,
+                                "overlap_loss": per_step / (t_feat + t_draft),
+                                "drafter_tflops": flops / wall / 1e12,
+                                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0})
+            del tr
+        except torch.cuda.OutOfMemoryError as exc:
+            out["runs"].append({"token_budget": budget, "error": f"OOM: {str(exc)[:200]}"})
+        except Exception as exc:
+            out["runs"].append({"token_budget": budget, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            traceback.print_exc()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    record("e2e", out)
+
+
+def sec_hybrid_one(args):
+    """Feature extraction on the hybrid target in this process (kernels as this process sees them)."""
+    from dflash.config import default_layer_ids
+    from dflash.models.target import Target
+
+    spec = TINY_HYBRID if args.tiny else QWEN36_27B
+    t_build = time.perf_counter()
+    model = build(spec)
+    t_build = time.perf_counter() - t_build
+    L = spec["num_hidden_layers"]
+    target = Target(model, default_layer_ids(L, 5))
+    report = target.fast_path_report()
+    batch, seq = (1, 64) if args.tiny else (args.hybrid_batch, 4096)
+    ids = torch.randint(0, spec["vocab_size"], (batch, seq), device=device())
+    feats = target.features(ids).float()
+    t = timed(lambda: target.features(ids), 1, 3)
+    params = sum(p.numel() for p in model.parameters())
+    sample = feats[0, :256].cpu()
+    torch.save(sample, OUT / f"hybrid-feats-{args.label}.pt")
+    print(json.dumps({"label": args.label, "params_b": params / 1e9, "build_s": t_build, "tokens_per_s": batch * seq / t,
+                      "report": report.describe(), "fast": report.fast, "kernels_seen": report.kernels_seen}))
+
+
+def sec_hybrid(args):
+    """Slow path vs fast path, each in its own process (transformers binds kernels at import)."""
+    out = {}
+    for label, env in (("slow", {"DFLASH_BENCH_NO_KERNELS": "1"}), ("fast", {})):
+        cmd = [sys.executable, __file__, "--sections", "hybrid_one", "--out", str(OUT), "--label", label]
+        if args.tiny:
+            cmd.append("--tiny")
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=900)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        out[label] = json.loads(lines[-1]) if lines else {"error": (r.stderr or r.stdout)[-800:]}
+        for check in ("doctor", "refuse"):
+            r = subprocess.run([sys.executable, __file__, "--sections", check, "--out", str(OUT)], capture_output=True,
+                               text=True, env={**os.environ, **env}, cwd=ROOT, timeout=600)
+            text = (r.stdout + r.stderr).strip().splitlines()
+            out[label][f"{check}_exit"] = r.returncode
+            out[label][check] = [ln for ln in text if "fast path" in ln or "error" in ln][-2:] or text[-2:]
+    try:
+        a = torch.load(OUT / "hybrid-feats-slow.pt")
+        b = torch.load(OUT / "hybrid-feats-fast.pt")
+        out["rel_err_fast_vs_slow"] = float((a - b).norm() / a.norm())
+    except Exception as exc:
+        out["rel_err_fast_vs_slow"] = str(exc)
+    if "tokens_per_s" in out.get("slow", {}) and "tokens_per_s" in out.get("fast", {}):
+        out["speedup"] = out["fast"]["tokens_per_s"] / out["slow"]["tokens_per_s"]
+    record("hybrid", out)
+
+
+def sec_doctor(args):
+    from dflash.cli import main as cli
+
+    sys.exit(cli(["doctor", "--require-fast-path"]))
+
+
+def sec_refuse(args):
+    """`dflash train` on CUDA with a hybrid target: exit 2 on the slow path unless allowed."""
+    import yaml
+
+    from dflash.cli import main as cli
+
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
+    cfg["target"]["random_init"] = dict(TINY_HYBRID, vocab_size=96)
+    cfg["target"]["layer_ids"] = [1, 3, 5]
+    cfg["runtime"]["device"] = "auto"
+    cfg["output_dir"] = str(OUT / "refuse")
+    cfg["optim"]["max_steps"] = 3
+    path = OUT / "refuse.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    sys.exit(cli(["train", str(path)]))
+
+
+SECTIONS = {"doctor": sec_doctor, "refuse": sec_refuse, "ceilings": sec_ceilings, "features": sec_features, "drafter": sec_drafter, "e2e": sec_e2e,
+            "hybrid": sec_hybrid, "hybrid_one": sec_hybrid_one}
+
+
+def main() -> int:
+    global OUT
+    p = argparse.ArgumentParser()
+    p.add_argument("--sections", default="ceilings,features,drafter,hybrid,e2e")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU validation of the script)")
+    p.add_argument("--label", default="")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--feat-batch", type=int, default=4)
+    p.add_argument("--hybrid-batch", type=int, default=2)
+    p.add_argument("--budgets", default="3072,6144,12288,24576")
+    p.add_argument("--e2e-steps", type=int, default=12)
+    args = p.parse_args()
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
+    for name in names:
+        if name in ("hybrid_one", "doctor", "refuse"):
+            SECTIONS[name](args)
+            continue
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name](args)
+        except Exception as exc:
+            traceback.print_exc()
+            record(name, {"error": f"{type(exc).__name__}: {exc}"[:500]})
+        print(f"== {name} took {time.perf_counter() - t0:.0f}s", flush=True)
+    if names[0] not in ("hybrid_one", "doctor", "refuse"):
+        print(json.dumps(RESULTS, indent=1)[-6000:])
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

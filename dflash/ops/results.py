@@ -1,0 +1,339 @@
+"""Typed results of the operator API, built from ansible-runner's structured events.
+
+The playbooks' own modules carry the facts: `dflash_unit` (unit state, pid, exit
+status), `dflash_health` (the health invariants, heartbeat metrics, GPUs, log tail,
+diagnosis) and `dflash_gpu_facts` (GPU table). Their results are read from the
+`res` of `runner_on_ok` / `runner_on_failed` events, recognised by module name;
+`runner_on_unreachable` marks a host unreachable. Nothing here parses text output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MODULE_UNIT = "dflash_unit"
+MODULE_HEALTH = "dflash_health"
+MODULE_GPU_FACTS = "dflash_gpu_facts"
+# playbooks/logs.yml: the task whose stdout is the log reader's JSON document.
+LOG_TASK = "Read the job's log"
+
+# Container states, from the most to the least informative evidence.
+TRAINING, FINISHED, UNHEALTHY, RUNNING, STOPPED, FAILED, UNREACHABLE, UNKNOWN = (
+    "training", "finished", "unhealthy", "running", "stopped", "failed", "unreachable", "unknown")
+
+
+@dataclass
+class GpuMemory:
+    """One GPU as the container sees it."""
+
+    index: int
+    name: str | None = None
+    used_mib: int | None = None
+    total_mib: int | None = None
+    utilization_pct: int | None = None
+
+
+@dataclass
+class TaskFailure:
+    """The task that ended a host's play."""
+
+    host: str
+    task: str
+    message: str
+    play: str | None = None
+    module: str | None = None
+    unreachable: bool = False
+    # The full health report when the failing task is the health check.
+    diagnosis: str | None = None
+
+    @property
+    def headline(self) -> str:
+        """One line naming the host, the task and why."""
+        if self.unreachable:
+            return f"{self.host} is unreachable (task '{self.task}'): {_first_line(self.message)}"
+        return f"task '{self.task}' failed on {self.host}: {_summary(self.message, self.diagnosis)}"
+
+
+@dataclass
+class ContainerStatus:
+    """What the playbook found out about one container's training job."""
+
+    host: str
+    state: str = UNKNOWN
+    reachable: bool = True
+    # The unit (dflash_unit / dflash_health's `unit`).
+    backend: str | None = None
+    unit_state: str | None = None  # systemd-style ActiveState: active, inactive, failed, ...
+    sub_state: str | None = None
+    pid: int | None = None
+    exit_status: int | None = None
+    action: str | None = None  # what dflash_unit did: none, started, restarted, stopped, removed
+    # Health and the trainer's heartbeat (dflash_health).
+    healthy: bool | None = None
+    finished: bool = False
+    failed_invariants: list[str] = field(default_factory=list)
+    diagnosis: str | None = None
+    step: int | None = None
+    epoch: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    tau: float | None = None
+    gpus: list[GpuMemory] = field(default_factory=list)
+    log_path: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+    # playbooks/logs.yml: where the next follow read starts.
+    log_next_offset: int | None = None
+    failure: TaskFailure | None = None
+
+
+@dataclass
+class OpsResult:
+    """The outcome of one operation (one playbook run)."""
+
+    operation: str
+    playbook: str
+    inventory: str
+    ok: bool
+    status: str  # ansible-runner's: successful, failed, timeout, canceled
+    rc: int | None
+    containers: dict[str, ContainerStatus] = field(default_factory=dict)
+    failures: list[TaskFailure] = field(default_factory=list)
+    # Set when the run produced no usable events (e.g. a playbook or inventory error).
+    error: str | None = None
+    # The inventory, --limit or extra vars were wrong rather than the hosts.
+    bad_input: bool = False
+    stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    artifact_dir: str | None = None
+
+    @property
+    def message(self) -> str:
+        """One clear line: what failed where, or a summary of the containers."""
+        if self.error:
+            return f"{self.operation} failed: {self.error}"
+        if self.failures:
+            extra = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+            return f"{self.operation} failed: {self.failures[0].headline}{extra}"
+        if not self.ok:
+            return f"{self.operation} failed: ansible-runner status {self.status}, rc {self.rc}"
+        parts = [f"{c.host} {_describe(c)}" for c in self.containers.values()]
+        return f"{self.operation} ok: " + ("; ".join(parts) if parts else "no containers")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["message"] = self.message
+        for failure in data["failures"]:
+            failure["headline"] = TaskFailure(**failure).headline
+        return data
+
+
+def _first_line(text: str | None) -> str:
+    text = (text or "").strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _summary(message: str, diagnosis: str | None) -> str:
+    """A diagnosis' failed invariants (`  - unit: unit failed ...`) on one line, else the message's first line."""
+    if diagnosis:
+        reasons = [line.strip()[2:] for line in diagnosis.splitlines() if line.startswith("  - ")]
+        errors = [line.split("| ", 1)[-1] for line in diagnosis.splitlines() if "error" in line.lower() and "| " in line]
+        if reasons:
+            return "; ".join(reasons) + (f" - last error in the log: {errors[-1]}" if errors else "")
+    return _first_line(message)
+
+
+def _describe(c: ContainerStatus) -> str:
+    bits = [c.state]
+    if c.step is not None:
+        bits.append(f"step {c.step}")
+    if c.tokens_per_s is not None:
+        bits.append(f"{c.tokens_per_s:.0f} tok/s")
+    if c.tau is not None:
+        bits.append(f"tau {c.tau:.2f}")
+    if c.state in (STOPPED, FAILED) and c.exit_status is not None:
+        bits.append(f"exit status {c.exit_status}")
+    return ", ".join(bits)
+
+
+def module_name(event_data: dict[str, Any]) -> str:
+    """`dflash_health` for `dflash_health`, `ansible.legacy.dflash_health`, `local.x.dflash_health`."""
+    action = event_data.get("resolved_action") or event_data.get("task_action") or ""
+    return action.rsplit(".", 1)[-1]
+
+
+def failure_message(res: dict[str, Any]) -> str:
+    """The most specific message a failed result carries (a loop's failed item, a command's stderr)."""
+    for item in res.get("results") or []:
+        if isinstance(item, dict) and item.get("failed"):
+            return failure_message(item)
+    msg = str(res.get("msg") or "").strip()
+    stderr = str(res.get("stderr") or res.get("module_stderr") or "").strip()
+    if stderr and (not msg or msg in ("non-zero return code", "MODULE FAILURE\nSee stdout/stderr for the exact error")):
+        return f"{msg}: {stderr}" if msg else stderr
+    return msg or "failed without a message"
+
+
+class EventCollector:
+    """Folds runner events, in order, into per-container results.
+
+    Call ``add(event)`` for every event (it is an ansible-runner event handler
+    that keeps the event), then ``result(...)``.
+    """
+
+    def __init__(self) -> None:
+        self.containers: dict[str, ContainerStatus] = {}
+        self.failures: dict[str, TaskFailure] = {}
+        self.stats: dict[str, dict[str, int]] = {}
+        self.no_hosts_matched = False
+        self.events = 0
+
+    def __call__(self, event: dict[str, Any]) -> bool:
+        self.add(event)
+        return True
+
+    def container(self, host: str) -> ContainerStatus:
+        if host not in self.containers:
+            self.containers[host] = ContainerStatus(host=host)
+        return self.containers[host]
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.events += 1
+        kind = event.get("event")
+        data = event.get("event_data") or {}
+        if kind == "playbook_on_no_hosts_matched":
+            self.no_hosts_matched = True
+        elif kind == "playbook_on_stats":
+            self.stats = {key: dict(data.get(key) or {}) for key in
+                          ("ok", "changed", "failures", "dark", "skipped", "rescued", "ignored", "processed")}
+        elif kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and data.get("host"):
+            self._add_result(kind, data)
+
+    def _add_result(self, kind: str, data: dict[str, Any]) -> None:
+        host = data["host"]
+        res = data.get("res") or {}
+        container = self.container(host)
+        if kind == "runner_on_unreachable":
+            container.reachable = False
+            self.failures[host] = TaskFailure(
+                host=host, task=_task_name(data), message=str(res.get("msg") or "unreachable"),
+                play=data.get("play"), module=module_name(data) or None, unreachable=True)
+            return
+        if kind == "runner_on_failed" and data.get("ignore_errors"):
+            return
+        module = module_name(data)
+        if module == MODULE_UNIT:
+            _apply_unit(container, res)
+        elif module == MODULE_HEALTH:
+            _apply_health(container, res)
+        elif module == MODULE_GPU_FACTS:
+            _apply_gpu_facts(container, res)
+        elif data.get("task") == LOG_TASK and kind == "runner_on_ok":
+            _apply_log(container, res)
+        if kind == "runner_on_failed":
+            self.failures[host] = TaskFailure(
+                host=host, task=_task_name(data), message=failure_message(res), play=data.get("play"),
+                module=module or None, diagnosis=res.get("diagnosis") if module == MODULE_HEALTH else None)
+
+    def result(self, operation: str, playbook: str, inventory: str, status: str, rc: int | None,
+               artifact_dir: str | None = None, error: str | None = None) -> OpsResult:
+        # A failure a rescue block handled does not end the host's play: keep only
+        # the hosts the final stats count as failed or unreachable.
+        if self.stats:
+            ended = set(self.stats.get("failures", {})) | set(self.stats.get("dark", {}))
+            failures = [f for host, f in self.failures.items() if host in ended]
+        else:
+            failures = list(self.failures.values())
+        for failure in failures:
+            self.container(failure.host).failure = failure
+        for container in self.containers.values():
+            container.state = derive_state(container)
+        bad_input = False
+        if error is None and self.no_hosts_matched and not self.containers:
+            error = f"no container matched: {inventory} has no hosts in group dflash_containers (or --limit excludes them all)"
+            bad_input = True
+        ok = status == "successful" and rc == 0 and not failures and error is None
+        if not ok and error is None and not failures and rc not in (0, None):
+            error = f"ansible-playbook exited with status {rc} ({status}) before reporting a failed task"
+        return OpsResult(operation=operation, playbook=playbook, inventory=inventory, ok=ok, status=status, rc=rc,
+                         containers=dict(sorted(self.containers.items())), failures=failures, error=error,
+                         bad_input=bad_input, stats=self.stats, artifact_dir=artifact_dir)
+
+
+def _task_name(data: dict[str, Any]) -> str:
+    task = data.get("task") or "?"
+    return f"{data['role']} : {task}" if data.get("role") else task
+
+
+def _apply_unit_fields(container: ContainerStatus, unit: dict[str, Any]) -> None:
+    container.backend = unit.get("backend") or container.backend
+    container.unit_state = unit.get("active_state")
+    container.sub_state = unit.get("sub_state")
+    container.pid = unit.get("main_pid") or None
+    container.exit_status = unit.get("exit_status")
+
+
+def _apply_unit(container: ContainerStatus, res: dict[str, Any]) -> None:
+    if "active_state" not in res:  # failed before it knew the unit (bad arguments)
+        return
+    _apply_unit_fields(container, res)
+    container.action = res.get("action")
+
+
+def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
+    if "healthy" not in res:  # failed before checking (bad arguments, unknown backend)
+        return
+    if res.get("unit"):
+        _apply_unit_fields(container, res["unit"])
+    container.healthy = bool(res["healthy"])
+    container.finished = bool(res.get("finished"))
+    container.failed_invariants = list(res.get("failed_invariants") or [])
+    container.diagnosis = res.get("diagnosis")
+    for key in ("step", "epoch", "loss", "tokens_per_s", "tau"):
+        setattr(container, key, res.get(key))
+    if res.get("gpus"):
+        container.gpus = _gpus(res["gpus"])
+    if res.get("log_tail"):
+        container.log_tail = list(res["log_tail"])
+
+
+def _apply_gpu_facts(container: ContainerStatus, res: dict[str, Any]) -> None:
+    gpus = (res.get("ansible_facts") or {}).get("dflash_gpus")
+    if gpus:
+        container.gpus = _gpus(gpus)
+
+
+def _apply_log(container: ContainerStatus, res: dict[str, Any]) -> None:
+    try:
+        doc = json.loads(res.get("stdout") or "")
+    except ValueError:
+        return
+    container.log_path = doc.get("path")
+    container.log_tail = list(doc.get("lines") or [])
+    container.log_next_offset = doc.get("next_offset")
+
+
+def _gpus(rows: list[dict[str, Any]]) -> list[GpuMemory]:
+    return [GpuMemory(index=row.get("index"), name=row.get("name"), used_mib=row.get("memory_used_mib"),
+                      total_mib=row.get("memory_total_mib"), utilization_pct=row.get("utilization_pct"))
+            for row in rows]
+
+
+def derive_state(c: ContainerStatus) -> str:
+    if not c.reachable:
+        return UNREACHABLE
+    if c.healthy is not None:
+        if c.finished:
+            return FINISHED
+        if c.healthy:
+            return TRAINING
+        if c.unit_state in ("active", "activating", "reloading"):
+            return UNHEALTHY
+    if c.unit_state is None:
+        return UNKNOWN
+    if c.unit_state == "failed" or (c.exit_status not in (None, 0) and c.unit_state != "active"):
+        return FAILED
+    if c.unit_state in ("active", "activating", "reloading"):
+        return RUNNING
+    return STOPPED
