@@ -161,8 +161,6 @@ def sec_features(args):
                         "tapped": ids_tap, "plain_tok_s": toks / t_plain, "hooks_tok_s": toks / t_hooks,
                         "speedup": t_plain / t_hooks, "plain_peak_gib": m_plain, "hooks_peak_gib": m_hooks,
                         "rel_err_vs_hidden_states": rel})
-    del model, target
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def _drafter_setup(args):
@@ -308,7 +306,7 @@ def sec_e2e(args):
                                 "overlap_loss": per_step / (t_feat + t_draft),
                                 "drafter_tflops": flops / wall / 1e12,
                                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0})
-            del tr
+            tr = None  # free the models before the next budget
         except torch.cuda.OutOfMemoryError as exc:
             out["runs"].append({"token_budget": budget, "error": f"OOM: {str(exc)[:200]}"})
         except Exception as exc:
