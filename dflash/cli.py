@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="new output directory")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
+    # Parsed by dflash.ops.cli (its own options and exit codes); listed here for --help.
+    sub.add_parser("ops", help="train/status/stop/logs of the training containers through ansible-runner",
+                   add_help=False)
+
     s = sub.add_parser("synth-data", help="write a JSONL file of the synthetic counting language")
     s.add_argument("out")
     s.add_argument("--num-samples", type=int, default=2000)
@@ -81,6 +85,11 @@ def _cmd_synth(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ops"]:
+        from dflash.ops.cli import main as ops_main
+
+        return ops_main(argv[1:])
     args = _parser().parse_args(argv)
     handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "synth-data": _cmd_synth}
     try:
