@@ -10,11 +10,11 @@ Results are typed (:class:`OpsResult`, :class:`ContainerStatus`), built from the
 runner's structured events. See docs/ops-api.md.
 """
 
-from dflash.ops.api import logs, run, status, stop, train
+from dflash.ops.api import deploy, logs, run, status, stop, train
 from dflash.ops.results import ContainerStatus, GpuMemory, OpsResult, TaskFailure
 from dflash.ops.runner import OpsRun, start
 
 __all__ = [
     "ContainerStatus", "GpuMemory", "OpsResult", "OpsRun", "TaskFailure",
-    "logs", "run", "start", "status", "stop", "train",
+    "deploy", "logs", "run", "start", "status", "stop", "train",
 ]

@@ -48,6 +48,12 @@ def train(inventory: PathLike, *, limit: str | None = None, progress: Progress =
     return run("train", inventory, extravars={**(extravars or {}), **more_extravars}, limit=limit, progress=progress)
 
 
+def deploy(inventory: PathLike, *, limit: str | None = None, progress: Progress = True,
+           extravars: dict[str, Any] | None = None, **more_extravars: Any) -> OpsResult:
+    """Deploy and (re)start the job in already provisioned containers, prove it trains (playbooks/deploy.yml)."""
+    return run("deploy", inventory, extravars={**(extravars or {}), **more_extravars}, limit=limit, progress=progress)
+
+
 def status(inventory: PathLike, *, limit: str | None = None, progress: Progress = True,
            extravars: dict[str, Any] | None = None, **more_extravars: Any) -> OpsResult:
     """Unit state, pid, exit status, step, tokens/s, tau, GPUs and log tail of every job (playbooks/status.yml)."""
@@ -99,7 +105,7 @@ def logs(inventory: PathLike, lines: int = 40, follow: bool = False, *, limit: s
             if not result.ok or (until is not None and until()):
                 return result
             time.sleep(interval)
-            result = run("logs", inventory, extravars={**extravars, "dflash_ops_log_offsets": offsets}, limit=limit,
-                         progress=False)
+            follow_vars = {**extravars, "dflash_ops_log_offsets": dict(offsets)}
+            result = run("logs", inventory, extravars=follow_vars, limit=limit, progress=False)
     except KeyboardInterrupt:
         return result

@@ -1,4 +1,4 @@
-"""`dflash ops train|status|stop|logs -i INVENTORY [-e key=value ...] [--json] [--quiet]`.
+"""`dflash ops train|deploy|status|stop|logs -i INVENTORY [-e key=value ...] [--json] [--quiet]`.
 
 Exit codes: 0 ok, 1 failed (a task failed, a host was unreachable), 2 bad input
 (an inventory that does not exist, a malformed -e).
@@ -25,6 +25,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 
 _HELP = {
     "train": "provision the containers, launch the trainer, prove it trains (playbooks/train.yml)",
+    "deploy": "deploy and (re)start the job in provisioned containers, prove it trains (playbooks/deploy.yml)",
     "status": "unit state, pid, step, tokens/s, tau, GPU memory and log tail of every job",
     "stop": "stop every job (SIGTERM, checkpoint; SIGKILL after the timeout) and wait for its GPUs",
     "logs": "the last lines of every job's log; --follow keeps reading",

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from dflash.ops.results import MODULE_HEALTH, MODULE_UNIT, failure_message, module_name
+from dflash.ops.results import MODULE_HEALTH, MODULE_UNIT, failure_message, failure_summary, module_name
 
 # Tasks that only include others: their "ok" says nothing.
 _INCLUDES = {"include_role", "include_tasks", "import_role", "import_tasks"}
@@ -57,8 +57,8 @@ class RichProgress:
             line = f"  [bold red]UNREACHABLE[/] {host}  {task}: {escape(str(res.get('msg') or ''))}"
         elif kind == "runner_on_failed":
             label = "[yellow]failed (ignored)[/]" if data.get("ignore_errors") else "[bold red]FAILED[/]"
-            first = failure_message(res).splitlines()[0] if failure_message(res) else ""
-            line = f"  {label} {host}  {task}: {escape(first)}"
+            why = failure_summary(failure_message(res), res.get("diagnosis"))
+            line = f"  {label} {host}  {task}: {escape(why)}"
         elif kind == "runner_on_skipped":
             line = f"  [dim]skipped {host}  {task}[/]"
         else:

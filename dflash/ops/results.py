@@ -54,7 +54,7 @@ class TaskFailure:
         """One line naming the host, the task and why."""
         if self.unreachable:
             return f"{self.host} is unreachable (task '{self.task}'): {_first_line(self.message)}"
-        return f"task '{self.task}' failed on {self.host}: {_summary(self.message, self.diagnosis)}"
+        return f"task '{self.task}' failed on {self.host}: {failure_summary(self.message, self.diagnosis)}"
 
 
 @dataclass
@@ -134,7 +134,7 @@ def _first_line(text: str | None) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def _summary(message: str, diagnosis: str | None) -> str:
+def failure_summary(message: str, diagnosis: str | None = None) -> str:
     """A diagnosis' failed invariants (`  - unit: unit failed ...`) on one line, else the message's first line."""
     if diagnosis:
         reasons = [line.strip()[2:] for line in diagnosis.splitlines() if line.startswith("  - ")]
@@ -237,7 +237,7 @@ class EventCollector:
                 module=module or None, diagnosis=res.get("diagnosis") if module == MODULE_HEALTH else None)
 
     def result(self, operation: str, playbook: str, inventory: str, status: str, rc: int | None,
-               artifact_dir: str | None = None, error: str | None = None) -> OpsResult:
+               artifact_dir: str | None = None, error: str | None = None, bad_input: bool = False) -> OpsResult:
         # A failure a rescue block handled does not end the host's play: keep only
         # the hosts the final stats count as failed or unreachable.
         if self.stats:
@@ -249,7 +249,6 @@ class EventCollector:
             self.container(failure.host).failure = failure
         for container in self.containers.values():
             container.state = derive_state(container)
-        bad_input = False
         if error is None and self.no_hosts_matched and not self.containers:
             error = f"no container matched: {inventory} has no hosts in group dflash_containers (or --limit excludes them all)"
             bad_input = True

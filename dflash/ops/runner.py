@@ -10,7 +10,9 @@ this package or named by `$DFLASH_PROJECT_DIR`.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -20,8 +22,10 @@ from typing import Any
 from dflash.errors import BadInput
 from dflash.ops.results import EventCollector, OpsResult
 
-PLAYBOOKS = {"train": "train.yml", "status": "status.yml", "stop": "stop.yml", "logs": "logs.yml"}
+PLAYBOOKS = {"train": "train.yml", "deploy": "deploy.yml", "status": "status.yml", "stop": "stop.yml",
+             "logs": "logs.yml"}
 DEFAULT_KEEP_ARTIFACTS = 20
+CONTAINER_GROUP = "dflash_containers"
 
 EventHandler = Callable[[dict[str, Any]], Any]
 
@@ -63,12 +67,47 @@ def check_extravars(extravars: dict[str, Any]) -> dict[str, Any]:
     return dict(extravars)
 
 
+def _ansible_env(root: Path) -> dict[str, str]:
+    return {
+        "ANSIBLE_CONFIG": str(root / "ansible.cfg"),
+        # The ansible of this interpreter's environment, even when it is not activated.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "ANSIBLE_NOCOLOR": "1",
+    }
+
+
+def inventory_containers(inventory: Path, limit: str | None = None) -> tuple[list[str], list[str]]:
+    """The hosts of group dflash_containers (after --limit) and ansible's warnings about the inventory."""
+    root = project_dir()
+    cmd = ["ansible-inventory", "-i", str(inventory), "--list"] + (["--limit", limit] if limit else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, **_ansible_env(root)},
+                          timeout=120, check=False)
+    warnings = [line.split(":", 1)[1].strip() for line in proc.stderr.splitlines()
+                if line.startswith(("[WARNING]:", "[ERROR]:", "ERROR!"))]
+    try:
+        groups = json.loads(proc.stdout)
+    except ValueError:
+        return [], warnings or [proc.stderr.strip() or f"ansible-inventory exited with {proc.returncode}"]
+
+    def hosts(group: str, seen: set[str]) -> list[str]:
+        if group in seen:
+            return []
+        seen.add(group)
+        entry = groups.get(group) or {}
+        found = list(entry.get("hosts") or [])
+        for child in entry.get("children") or []:
+            found += hosts(child, seen)
+        return found
+
+    return sorted(set(hosts(CONTAINER_GROUP, set()))), warnings
+
+
 class OpsRun:
     """One playbook run in progress (see :func:`start`)."""
 
-    def __init__(self, operation: str, playbook: str, inventory: Path, kwargs: dict[str, Any],
+    def __init__(self, operation: str, playbook: str, inventory: Path, limit: str | None, kwargs: dict[str, Any],
                  collector: EventCollector, artifact_dir: Path) -> None:
-        self.operation, self.playbook, self.inventory = operation, playbook, inventory
+        self.operation, self.playbook, self.inventory, self.limit = operation, playbook, inventory, limit
         self.collector = collector
         self.artifact_dir = artifact_dir
         self._cancelled = threading.Event()
@@ -111,13 +150,26 @@ class OpsRun:
             return self.collector.result(self.operation, self.playbook, inventory, "failed", None,
                                          str(self.artifact_dir), error=f"ansible-runner failed: {self._exception}")
         runner = self._runner
-        error = None
-        if not self.collector.containers and runner.status not in ("successful", "canceled"):
-            error = _stdout_error(self.artifact_dir)
+        error, bad_input = None, False
         if runner.status == "canceled":
             error = "canceled (a unit that was already launched keeps running)"
+        elif not self.collector.containers:
+            # No task ran on any host: explain from the inventory itself.
+            hosts, warnings = inventory_containers(self.inventory, self.limit)
+            if not hosts:
+                error, bad_input = _no_containers(inventory, self.limit, warnings), True
+            elif runner.status != "successful":
+                error = _stdout_error(self.artifact_dir)
         return self.collector.result(self.operation, self.playbook, inventory, runner.status, runner.rc,
-                                     str(self.artifact_dir), error=error)
+                                     str(self.artifact_dir), error=error, bad_input=bad_input)
+
+
+def _no_containers(inventory: str, limit: str | None, warnings: list[str]) -> str:
+    where = f" matching --limit {limit!r}" if limit else ""
+    parsed = [w for w in warnings if "parse" in w.lower()]
+    why = f" (ansible: {parsed[0]})" if parsed else ""
+    fix = "check --limit" if limit else "name the training containers there (see inventories/local/hosts.yml)"
+    return f"inventory {inventory} has no hosts in group {CONTAINER_GROUP}{where}{why}; {fix}"
 
 
 def _stdout_error(artifact_dir: Path) -> str | None:
@@ -158,12 +210,7 @@ def start(operation: str, inventory: str | os.PathLike[str], *, extravars: dict[
                 print(f"dflash ops: progress handler failed: {exc!r}", file=sys.stderr)
         return True  # keep the event in the artifacts (job_events/)
 
-    envvars = {
-        "ANSIBLE_CONFIG": str(root / "ansible.cfg"),
-        # The ansible-playbook of this interpreter's environment, even when it is not activated.
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        "ANSIBLE_NOCOLOR": "1",
-    }
+    envvars = _ansible_env(root)
     kwargs: dict[str, Any] = {
         "private_data_dir": str(private_data_dir),
         "project_dir": str(root),
@@ -181,4 +228,4 @@ def start(operation: str, inventory: str | os.PathLike[str], *, extravars: dict[
         kwargs["limit"] = limit
     if timeout:
         kwargs["timeout"] = timeout
-    return OpsRun(operation, playbook, inventory_path, kwargs, collector, private_data_dir / "artifacts" / ident)
+    return OpsRun(operation, playbook, inventory_path, limit, kwargs, collector, private_data_dir / "artifacts" / ident)

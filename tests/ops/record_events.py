@@ -1,0 +1,82 @@
+"""Record the real ansible-runner event streams that tests/ops replays.
+
+Runs the project's real playbooks (deploy, status, logs, stop) through
+dflash.ops against tests/ops/inventory: the "container" is this machine (local
+connection, daemon backend, the real tiny CPU trainer, every path under ROOT),
+and dflash-gone is an ssh host on a closed port. Events are trimmed (module
+arguments, diffs and console text dropped) and written to tests/ops/events/.
+
+    .venv/bin/python tests/ops/record_events.py [ROOT]
+
+Writes only under ROOT (default /tmp/dflash-ops-fixture)
+and ~/.cache/dflash. Takes about two minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash.ops.runner import start
+
+HERE = Path(__file__).resolve().parent
+INVENTORY = HERE / "inventory"
+EVENTS = HERE / "events"
+KINDS = {"playbook_on_play_start", "playbook_on_task_start", "playbook_on_no_hosts_matched", "playbook_on_stats",
+         "runner_on_ok", "runner_on_failed", "runner_on_unreachable", "runner_on_skipped"}
+EVENT_DATA_KEYS = ("play", "task", "role", "host", "task_action", "resolved_action", "ignore_errors", "res",
+                   "name", "changed", "ok", "failures", "dark", "skipped", "rescued", "ignored", "processed")
+RES_DROP = ("invocation", "diff", "_ansible_no_log", "_ansible_verbose_always", "_ansible_verbose_override")
+
+
+def trim(event: dict[str, Any]) -> dict[str, Any] | None:
+    if event.get("event") not in KINDS:
+        return None
+    data = {key: event["event_data"][key] for key in EVENT_DATA_KEYS if key in event.get("event_data", {})}
+    if isinstance(data.get("res"), dict):
+        data["res"] = {key: value for key, value in data["res"].items() if key not in RES_DROP}
+    return {"event": event["event"], "event_data": data}
+
+
+def record(name: str, operation: str, extravars: dict[str, Any], limit: str | None = None) -> None:
+    events: list[dict[str, Any]] = []
+    result = start(operation, INVENTORY, extravars=extravars, limit=limit, event_handler=events.append).wait()
+    trimmed = [t for t in map(trim, events) if t is not None]
+    document = {
+        "recorded_with": f"tests/ops/record_events.py: playbooks/{operation if operation != 'train' else 'deploy'}.yml"
+                         + (f" --limit {limit}" if limit else ""),
+        "operation": operation,
+        "runner": {"status": result.status, "rc": result.rc},
+        "events": trimmed,
+    }
+    EVENTS.mkdir(exist_ok=True)
+    (EVENTS / f"{name}.json").write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    print(f"{name}: {result.message}", flush=True)
+
+
+def main(root: Path) -> None:
+    if root.exists():
+        shutil.rmtree(root)
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "dflash-ops-fixture.env").write_text("")
+    base = {"dflash_ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit")}
+    one = "dflash-fixture"
+    # A launch that trains, its status (with an unreachable second container), its logs, its stop.
+    record("deploy_success", "deploy", base, limit=one)
+    record("status_unreachable", "status", base)
+    record("logs", "logs", {**base, "dflash_ops_log_lines": 5}, limit=one)
+    record("logs_follow", "logs", {**base, "dflash_ops_log_offsets": {one: 0}, "dflash_ops_log_max_bytes": 400},
+           limit=one)
+    record("stop", "stop", base, limit=one)
+    # A launch whose trainer dies at once (a config value it rejects): the health check fails.
+    broken = {**base, "dflash_job_validate_config": False,
+              "dflash_job_config": {"logging": {"interval": 1}, "optim": {"lr": "fast"}}}
+    record("deploy_health_failed", "deploy", broken, limit=one)
+    record("stop_after_failure", "stop", base, limit=one)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/dflash-ops-fixture"))
