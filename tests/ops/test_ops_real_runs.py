@@ -1,0 +1,85 @@
+"""dflash.ops through the real ansible-runner and the real playbooks on this machine.
+
+The fixture inventory's container is this machine (local connection, daemon
+backend, the real tiny CPU trainer, every path under a temp dir); dflash-gone is
+an ssh host on a closed port.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from ops_replay import INVENTORY
+
+from dflash import ops
+from dflash.ops import cli as ops_cli
+
+pytestmark = pytest.mark.skipif(shutil.which("ssh") is None, reason="needs an ssh client for the unreachable host")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "runner" / "artifacts"
+
+
+@pytest.fixture
+def job_vars(tmp_path):
+    root = tmp_path / "job"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "dflash-ops-fixture.env").write_text("")
+    return {"dflash_ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit"),
+            "dflash_job_user": getpass.getuser()}
+
+
+def test_an_unreachable_host_through_the_runner(cache, job_vars, capsys):
+    result = ops.status(INVENTORY, limit="dflash-gone", progress=False, extravars=job_vars)
+    assert not result.ok and result.failures[0].unreachable
+    assert result.containers["dflash-gone"].state == "unreachable"
+    # The run's events stay in its artifact directory, under the cache dir.
+    artifact = Path(result.artifact_dir)
+    assert artifact.parent == cache and any((artifact / "job_events").iterdir())
+    rc = ops_cli.main(["status", "-i", str(INVENTORY), "-l", "dflash-gone", "-q", "--json"]
+                      + [f"-e{key}={value}" for key, value in job_vars.items()])
+    assert rc == 1
+    assert json.loads(capsys.readouterr().out)["failures"][0]["host"] == "dflash-gone"
+
+
+def test_no_matching_container_is_bad_input_and_artifacts_rotate(cache, capsys):
+    for _ in range(3):
+        result = ops.run("status", INVENTORY, limit="nope", progress=False, keep_artifacts=2)
+        assert not result.ok and result.bad_input
+        assert "has no hosts in group dflash_containers matching --limit 'nope'" in result.message
+    assert len(list(cache.iterdir())) == 2
+    assert ops_cli.main(["status", "-i", str(INVENTORY), "-l", "nope", "-q"]) == 2
+
+
+@pytest.mark.slow
+def test_deploy_status_logs_stop_on_this_machine(cache, job_vars):
+    one = "dflash-fixture"
+    try:
+        deployed = ops.deploy(INVENTORY, limit=one, progress=False, extravars=job_vars)
+        assert deployed.ok, deployed.message
+        job = deployed.containers[one]
+        assert job.state == "training" and job.action == "started" and job.pid
+
+        status = ops.status(INVENTORY, limit=one, progress=False, extravars=job_vars)
+        assert status.ok and status.containers[one].pid == job.pid
+        assert status.containers[one].step >= job.step
+
+        logs = ops.logs(INVENTORY, 3, limit=one, extravars=job_vars)
+        assert logs.ok and len(logs.containers[one].log_tail) == 3
+        followed = []
+        ops.logs(INVENTORY, 3, follow=True, limit=one, extravars=job_vars, interval=1,
+                 on_lines=lambda host, lines: followed.extend(lines), until=lambda: len(followed) > 3)
+        steps = [int(line.split()[1]) for line in followed if line.startswith("step ")]
+        assert steps == sorted(steps) and len(set(steps)) == len(steps)  # new lines, in order, none twice
+    finally:
+        stopped = ops.stop(INVENTORY, limit=one, progress=False, extravars=job_vars)
+    assert stopped.ok, stopped.message
+    job = stopped.containers[one]
+    assert job.state == "stopped" and job.exit_status == 0 and job.unit_state == "inactive"
