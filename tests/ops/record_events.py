@@ -7,6 +7,7 @@ and dflash-gone is an ssh host on a closed port. Events are trimmed (module
 arguments, diffs and console text dropped) and written to tests/ops/events/.
 
     .venv/bin/python tests/ops/record_events.py [ROOT]
+    .venv/bin/python tests/ops/record_events.py --lxc   # status of inventories/local (read-only)
 
 Writes only under ROOT (default /tmp/dflash-ops-fixture)
 and ~/.cache/dflash. Takes about two minutes.
@@ -23,6 +24,7 @@ from typing import Any
 from dflash.ops.runner import start
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 INVENTORY = HERE / "inventory"
 EVENTS = HERE / "events"
 KINDS = {"playbook_on_play_start", "playbook_on_task_start", "playbook_on_no_hosts_matched", "playbook_on_stats",
@@ -41,12 +43,13 @@ def trim(event: dict[str, Any]) -> dict[str, Any] | None:
     return {"event": event["event"], "event_data": data}
 
 
-def record(name: str, operation: str, extravars: dict[str, Any], limit: str | None = None) -> None:
+def record(name: str, operation: str, extravars: dict[str, Any], limit: str | None = None,
+           inventory: Path = INVENTORY) -> None:
     events: list[dict[str, Any]] = []
-    result = start(operation, INVENTORY, extravars=extravars, limit=limit, event_handler=events.append).wait()
+    result = start(operation, inventory, extravars=extravars, limit=limit, event_handler=events.append).wait()
     trimmed = [t for t in map(trim, events) if t is not None]
     document = {
-        "recorded_with": f"tests/ops/record_events.py: playbooks/{operation if operation != 'train' else 'deploy'}.yml"
+        "recorded_with": f"tests/ops/record_events.py: playbooks/{operation}.yml -i {inventory.relative_to(ROOT)}"
                          + (f" --limit {limit}" if limit else ""),
         "operation": operation,
         "runner": {"status": result.status, "rc": result.rc},
@@ -79,4 +82,8 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/dflash-ops-fixture"))
+    if sys.argv[1:] == ["--lxc"]:
+        # The systemd backend in a real LXC container, with a job `make train` started.
+        record("status_lxc_systemd", "status", {}, inventory=ROOT / "inventories" / "local")
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/dflash-ops-fixture"))

@@ -14,7 +14,7 @@ from dflash.ops.results import EventCollector, derive_state, module_name
 
 
 def test_the_recordings_are_real_runner_streams():
-    for name in ("deploy_success", "deploy_health_failed", "status_unreachable", "stop", "logs"):
+    for name in ("deploy_success", "deploy_health_failed", "status_unreachable", "stop", "logs", "status_lxc_systemd"):
         kinds = {e["event"] for e in load(name)["events"]}
         assert {"playbook_on_play_start", "playbook_on_task_start", "playbook_on_stats"} <= kinds
         assert kinds & {"runner_on_ok", "runner_on_failed", "runner_on_unreachable"}
@@ -128,3 +128,12 @@ def test_module_names_and_states():
     job = replay("deploy_success").containers["dflash-fixture"]
     job.healthy, job.unit_state = None, "failed"
     assert derive_state(job) == "failed"
+
+
+def test_status_of_a_systemd_unit_in_a_real_lxc_container():
+    result = replay("status_lxc_systemd")  # recorded against inventories/local after `make train`
+    assert result.ok
+    job = result.containers["dflash-local"]
+    assert job.state == "training" and job.backend == "systemd"
+    assert job.unit_state == "active" and job.sub_state == "running" and job.pid > 1
+    assert job.step > 0 and job.tokens_per_s > 0 and job.tau > 1 and len(job.log_tail) == 10
