@@ -8,6 +8,7 @@ arguments, diffs and console text dropped) and written to tests/ops/events/.
 
     .venv/bin/python tests/ops/record_events.py [ROOT]
     .venv/bin/python tests/ops/record_events.py --lxc   # status of inventories/local (read-only)
+    python3 tests/ops/record_events.py --gpu ROOT       # on a GPU machine: the tiny run on GPU 0
 
 Writes only under ROOT (default /tmp/dflash-ops-fixture)
 and ~/.cache/dflash. Takes about two minutes.
@@ -60,12 +61,28 @@ def record(name: str, operation: str, extravars: dict[str, Any], limit: str | No
     print(f"{name}: {result.message}", flush=True)
 
 
-def main(root: Path) -> None:
+def fresh(root: Path) -> dict[str, Any]:
+    """An empty fixture root; the extra vars that point the fixture job into it."""
     if root.exists():
         shutil.rmtree(root)
     (root / "etc").mkdir(parents=True)
     (root / "etc" / "dflash-ops-fixture.env").write_text("")
-    base = {"dflash_ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit")}
+    return {"dflash_ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit")}
+
+
+def record_gpu(root: Path) -> None:
+    """The same tiny run on GPU 0: the health check and status read real nvidia-smi rows."""
+    gpu = {**fresh(root), "dflash_job_target_gpu_ids": [0], "dflash_job_health_gpu_min_memory_mib": 256,
+           "dflash_job_config": {"logging": {"interval": 1}, "checkpoint": {"interval": 20},
+                                 "runtime": {"device": "cuda"}}}
+    one = "dflash-fixture"
+    record("deploy_gpu", "deploy", gpu, limit=one)
+    record("status_gpu", "status", gpu, limit=one)
+    record("stop_gpu", "stop", gpu, limit=one)
+
+
+def main(root: Path) -> None:
+    base = fresh(root)
     one = "dflash-fixture"
     # A launch that trains, its status (with an unreachable second container), its logs, its stop.
     record("deploy_success", "deploy", base, limit=one)
@@ -82,7 +99,9 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--lxc"]:
+    if sys.argv[1:2] == ["--gpu"]:
+        record_gpu(Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp/dflash-ops-fixture"))
+    elif sys.argv[1:] == ["--lxc"]:
         # The systemd backend in a real LXC container, with a job `make train` started.
         record("status_lxc_systemd", "status", {}, inventory=ROOT / "inventories" / "local")
     else:

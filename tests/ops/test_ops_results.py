@@ -137,3 +137,17 @@ def test_status_of_a_systemd_unit_in_a_real_lxc_container():
     assert job.state == "training" and job.backend == "systemd"
     assert job.unit_state == "active" and job.sub_state == "running" and job.pid > 1
     assert job.step > 0 and job.tokens_per_s > 0 and job.tau > 1 and len(job.log_tail) == 10
+
+
+def test_gpu_memory_per_gpu_from_a_run_on_a_real_gpu():
+    # Recorded on an NVIDIA H200 machine: `record_events.py --gpu` (the tiny run on GPU 0).
+    deployed = replay("deploy_gpu").containers["dflash-fixture"]
+    assert deployed.state == "training" and deployed.healthy
+    [gpu] = deployed.gpus
+    assert gpu.index == 0 and gpu.name == "NVIDIA H200" and gpu.total_mib > 100_000
+    assert gpu.used_mib >= 256  # the health check's gpu_min_memory_mib: the model is on the GPU
+    status = replay("status_gpu")
+    assert status.containers["dflash-fixture"].gpus[0].used_mib == gpu.used_mib
+    stopped = replay("stop_gpu").containers["dflash-fixture"]
+    # The trainer did not reach a step boundary within the 30 s stop timeout: SIGKILL (128 + 9).
+    assert stopped.action == "stopped" and stopped.exit_status == 137 and stopped.state == "failed"
