@@ -1,0 +1,55 @@
+"""Every playbook passes --syntax-check; the repository passes ansible-lint (production) and yamllint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import ROOT, tool
+
+PLAYBOOKS = sorted(p.relative_to(ROOT) for p in (ROOT / "playbooks").glob("*.yml"))
+
+
+def test_the_main_playbooks_exist():
+    names = {p.name for p in PLAYBOOKS}
+    assert {"train.yml", "provision.yml", "deploy.yml", "status.yml", "stop.yml"} <= names
+
+
+@pytest.mark.parametrize("inventory", ["inventories/local", "inventories/proxmox.example"])
+def test_syntax_check(inventory, ansible_env):
+    # One call checks every playbook (ansible-playbook takes several); each is named in the output.
+    proc = subprocess.run(
+        [tool("ansible-playbook"), "--syntax-check", "-i", inventory, *map(str, PLAYBOOKS)],
+        cwd=ROOT, env=ansible_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for playbook in PLAYBOOKS:
+        assert f"playbook: {playbook}" in proc.stdout
+
+
+def test_inventories_define_the_groups(ansible_env):
+    for inventory, container in [("inventories/local", "dflash-local"), ("inventories/proxmox.example", "dflash-200")]:
+        proc = subprocess.run([tool("ansible-inventory"), "-i", inventory, "--list"], cwd=ROOT, env=ansible_env,
+                              capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        data = json.loads(proc.stdout)
+        assert container in data["dflash_containers"]["hosts"]
+        assert data["dflash_hosts"]["hosts"]
+        hostvars = data["_meta"]["hostvars"][container]
+        assert hostvars["dflash_container_host"] in data["dflash_hosts"]["hosts"]
+    proxmox = json.loads(subprocess.run([tool("ansible-inventory"), "-i", "inventories/proxmox.example", "--host", "dflash-200"],
+                                        cwd=ROOT, env=ansible_env, capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    assert proxmox["ansible_connection"] == "community.proxmox.proxmox_pct_remote" and proxmox["proxmox_vmid"] == 200
+    assert proxmox["dflash_job_target_gpu_ids"] == [0, 1, 2, 3, 4] and proxmox["dflash_job_drafter_gpu_ids"] == [5, 6, 7]
+
+
+def test_ansible_lint_production_profile(ansible_env):
+    env = {**ansible_env, "ANSIBLE_LINT_SKIP_SCHEMA_UPDATE": "1"}
+    proc = subprocess.run([tool("ansible-lint"), "--offline", "--nocolor"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+
+
+def test_yamllint(ansible_env):
+    proc = subprocess.run([tool("yamllint"), "-s", "."], cwd=ROOT, env=ansible_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
