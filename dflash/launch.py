@@ -1,16 +1,157 @@
-"""Run training in this process, or under torchrun when the topology has more than one rank."""
+"""Run training in this process, or start torchrun (one process per GPU) when the topology has more ranks.
+
+`dflash train CONFIG` is the one command in every case:
+* one rank -> trains here;
+* several ranks -> this process validates the config and the GPUs, starts `python -m torch.distributed.run`
+  running `dflash train CONFIG` per rank, forwards SIGTERM to the workers and returns torchrun's verdict;
+* started by torchrun (ours or an external one: LOCAL_RANK and WORLD_SIZE set) -> runs this rank.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 from dflash.config import RunConfig
-from dflash.observability import warn
+
+# Rendezvous settings from the environment win over the config (one config file, one unit per node).
+RENDEZVOUS_ENV = {"DFLASH_NNODES": "nnodes", "DFLASH_NODE_RANK": "node_rank", "DFLASH_MASTER_ADDR": "master_addr",
+                  "DFLASH_MASTER_PORT": "master_port"}
+WORKER_SHUTDOWN_S = 30  # torchrun: SIGTERM -> SIGKILL of the other workers after one of them failed
+
+
+def apply_rendezvous_env(config: RunConfig) -> None:
+    from dflash.config import validate_topology
+    from dflash.errors import BadInput
+
+    for env, key in RENDEZVOUS_ENV.items():
+        if env in os.environ:
+            raw = os.environ[env]
+            if key == "master_addr":
+                value: str | int = raw
+            else:
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise BadInput(f"{env}={raw!r} is not an integer") from None
+            setattr(config.topology, key, value)
+    validate_topology(config.topology)
 
 
 def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> int:
-    from dflash.train import train
+    from dflash import distributed
 
-    if config.topology.mode != "colocated" or config.topology.nproc > 1:
-        warn("multi-rank topologies need dflash.distributed; running a single process")
-    result = train(config)
-    print(f"done: step {result['step']}" + (" (stopped by signal, checkpoint saved)" if result.get("stopped") else ""))
+    apply_rendezvous_env(config)
+    if distributed.under_torchrun():
+        result = distributed.run_rank(config)
+        if result is not None:
+            _print_done(result)
+        return 0
+    plan = distributed.plan_ranks(config.topology)
+    if plan.world_size == 1:
+        from dflash.train import train
+
+        _print_done(train(config))
+        return 0
+    from dflash.distributed.topology import check_devices, check_target_fits
+
+    check_devices(config, plan)  # exit 2 before any process starts
+    check_target_fits(config, plan)
+    return launch_torchrun(config, config_path, overrides, plan)
+
+
+def _print_done(result: dict) -> None:
+    print(f"done: step {result['step']}" + (" (stopped by signal, checkpoint saved)" if result.get("stopped") else ""),
+          flush=True)
+
+
+def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], nproc_per_node: int) -> list[str]:
+    top = config.topology
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
+           "--max-restarts", "0", "--shutdown-timeout", str(WORKER_SHUTDOWN_S)]
+    if top.nnodes == 1:
+        cmd += ["--standalone"]  # a free local port: no clash with other jobs on this machine
+    else:
+        cmd += ["--nnodes", str(top.nnodes), "--node-rank", str(top.node_rank), "--master-addr", top.master_addr,
+                "--master-port", str(top.master_port)]
+    return [*cmd, "-m", "dflash", "train", str(Path(config_path).resolve()), *overrides]
+
+
+def _worker_pids(parent: int) -> list[int]:
+    """Direct children of torchrun (its workers), read from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name may hold spaces and parentheses: fields after the last ')' are fixed
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            pids.append(int(entry.name))
+    return pids
+
+
+def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], plan) -> int:
+    cmd = torchrun_command(config, config_path, overrides, plan.nproc_per_node)
+    grace = config.topology.timeout_s  # after SIGTERM: time for the ranks to agree, checkpoint and exit
+    stopping: dict[str, float] = {}
+
+    def forward(signum, _frame):
+        if "at" in stopping:
+            return
+        stopping["at"] = time.monotonic()
+        workers = _worker_pids(proc.pid) if proc is not None else []
+        print(f"dflash: signal {signum}: asking {len(workers)} rank(s) to checkpoint and stop "
+              f"(bounded by topology.timeout_s={grace}s)", file=sys.stderr, flush=True)
+        # straight to the workers: they stop together at a step boundary and exit 0, so torchrun exits 0
+        for pid in workers or ([proc.pid] if proc is not None else []):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    proc = None
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        print(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}",
+              flush=True)
+        proc = subprocess.Popen(cmd)
+        escalated = 0
+        while True:
+            try:
+                rc = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if "at" in stopping:
+                waited = time.monotonic() - stopping["at"]
+                if escalated == 0 and waited > grace:
+                    print("dflash: ranks did not stop in time; terminating torchrun", file=sys.stderr, flush=True)
+                    proc.terminate()  # torchrun SIGKILLs its workers after WORKER_SHUTDOWN_S
+                    escalated = 1
+                elif escalated == 1 and waited > grace + WORKER_SHUTDOWN_S + 15:
+                    for pid in _worker_pids(proc.pid):
+                        _kill(pid)
+                    proc.kill()
+                    escalated = 2
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if rc != 0:
+        print(f"dflash: error: the distributed job failed (torchrun exit {rc}); the failing rank and its "
+              "traceback are in torchrun's error summary above", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -143,7 +143,7 @@ class Trainer:
         self.target = self._load_target() if with_target else None
         self.sampler = RoundRobinBatchSampler(self.train_set.lengths(), c.data.token_budget, c.data.bucket_size,
                                               c.data.max_length, seed=c.seed, rank=self.rank,
-                                              world_size=self.world_size)
+                                              world_size=self.world_size, multiple_of=c.optim.grad_accum)
         per_epoch = self.sampler.batches_per_epoch() // c.optim.grad_accum
         if per_epoch == 0:
             raise DataError("the training data yields no batch; add samples or lower the number of ranks "

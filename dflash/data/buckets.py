@@ -35,13 +35,16 @@ class RoundRobinBatchSampler:
 
     Deterministic in (seed, epoch), so the data position (epoch, index) is all that resume needs.
     With `world_size > 1` each rank takes every world_size-th batch (equal counts across ranks).
+    `multiple_of` (gradient accumulation) trims each rank's epoch to whole optimizer steps, so a step never
+    straddles two epochs and any split of a global batch over ranks and micro-batches reads the same data.
     """
 
     def __init__(self, lengths: list[int], token_budget: int, bucket_size: int, max_length: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, multiple_of: int = 1):
         self.token_budget = token_budget
         self.seed = seed
         self.rank, self.world_size = rank, world_size
+        self.multiple_of = multiple_of
         self.buckets: dict[int, list[int]] = {}
         for i, n in enumerate(lengths):
             self.buckets.setdefault(bucket_length(n, bucket_size, max_length), []).append(i)
@@ -68,8 +71,8 @@ class RoundRobinBatchSampler:
             for q in queues:
                 if q:
                     order.append(q.pop(0))
-        per_rank = len(order) // self.world_size
-        mine = order[self.rank::self.world_size][:per_rank] if self.world_size > 1 else order
+        per_rank = len(order) // self.world_size // self.multiple_of * self.multiple_of
+        mine = order[self.rank::self.world_size][:per_rank]
         self._cache = (epoch, mine)
         return mine
 

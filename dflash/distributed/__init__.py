@@ -1,0 +1,71 @@
+"""One process per GPU under torchrun: colocated and disaggregated target/drafter ranks (docs/topology.md).
+
+* `topology` — roles, GPUs, process groups, device checks;
+* `transfer` — target -> drafter hidden-state transfers (fixed buffers, credits);
+* `ranks` — what each worker runs;
+* `run_rank` — the worker entry point (`dflash train` under torchrun ends up here).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dflash.config import RunConfig
+from dflash.distributed.topology import (
+    RankPlan,
+    backend_for,
+    check_devices,
+    check_target_fits,
+    plan_ranks,
+    uses_cuda,
+)
+from dflash.errors import BadInput
+
+
+def under_torchrun() -> bool:
+    """True in a worker started by torchrun (ours or an external one)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@record  # writes the traceback to TORCHELASTIC_ERROR_FILE: torchrun's summary names this rank and its error
+def run_rank(config: RunConfig) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from dflash.distributed.ranks import run_colocated, run_disaggregated
+
+    plan = plan_ranks(config.topology)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world != plan.world_size or local_world != plan.nproc_per_node:
+        raise BadInput(f"torchrun started {world} processes ({local_world} on this node) but the topology needs "
+                       f"{plan.world_size} ({plan.nproc_per_node} per node x {plan.nnodes} nodes); run `dflash "
+                       "train CONFIG` without torchrun, or match --nproc-per-node/--nnodes to topology")
+    check_devices(config, plan)
+    if plan.is_target(rank) or not plan.disaggregated:  # disaggregated drafter ranks never hold the target
+        check_target_fits(config, plan)
+    if uses_cuda(config):
+        device = torch.device("cuda", plan.gpu_of(rank))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend_for(config)
+    timeout = timedelta(seconds=config.topology.timeout_s)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    if rank == plan.reporter:
+        print(f"distributed: {config.topology.mode}, {plan.world_size} ranks ({backend}), "
+              f"{len(plan.drafter_ranks)} drafter rank(s)"
+              + (f", {len(plan.target_ranks)} target rank(s)" if plan.disaggregated else "")
+              + f"; this is {plan.describe(rank)} on {device}", flush=True)
+    if plan.disaggregated:
+        result = run_disaggregated(config, plan, rank, device)
+    else:
+        result = run_colocated(config, plan, rank, device)
+    dist.destroy_process_group()
+    return result if rank == plan.reporter else None
+
+
+__all__ = ["RankPlan", "plan_ranks", "run_rank", "under_torchrun", "check_devices"]

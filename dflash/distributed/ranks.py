@@ -1,0 +1,227 @@
+"""What one torchrun worker runs: a data-parallel drafter rank (colocated or disaggregated) or a target rank.
+
+Stopping: a signal only marks the rank; the ranks agree to stop in the per-step all-reduce of the drafter
+group, so all of them leave the loop after the same step and the reporter checkpoints it. Target ranks
+ignore signals and stop when the drafter ranks send STOP (transfer.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dflash.config import RunConfig
+from dflash.data.buckets import RoundRobinBatchSampler, collate
+from dflash.distributed.topology import RankPlan
+from dflash.distributed.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
+from dflash.errors import BadInput
+from dflash.models.target import DTYPES
+from dflash.train import Trainer
+
+FAULT_ENV = "DFLASH_FAULT_INJECT"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test hook DFLASH_FAULT_INJECT=RANK:STEP (global rank, optimizer step)."""
+
+
+def check_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    try:
+        want_rank, want_step = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise BadInput(f"{FAULT_ENV}={spec!r}: expected RANK:STEP, e.g. 1:5") from None
+    if rank == want_rank and step == want_step:
+        raise InjectedFault(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} at step {step}")
+
+
+class DataParallelTrainer(Trainer):
+    """A drafter rank: DDP over the drafter group, global loss normaliser, metrics and stop flag reduced."""
+
+    def __init__(self, config: RunConfig, plan: RankPlan, global_rank: int, device: torch.device, group):
+        super().__init__(config, rank=plan.drafter_index(global_rank), world_size=len(plan.drafter_ranks),
+                         is_reporter=global_rank == plan.reporter, device=device)
+        self.global_rank, self.plan, self.group = global_rank, plan, group
+        self.signal_seen = False
+
+    def wrap(self) -> None:
+        """After setup (and resume): check every rank resumed the same step, then wrap the drafter in DDP."""
+        steps = torch.tensor([self.step, -self.step], dtype=torch.long, device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)
+        if int(steps[0]) != -int(steps[1]):
+            raise BadInput(f"drafter ranks resumed different steps ({-int(steps[1])}..{int(steps[0])}); every "
+                           f"node must see the reporter's checkpoints: put output_dir ({self.config.output_dir}) "
+                           "on a filesystem shared by all nodes")
+        if self.config.drafter.compile:
+            self.drafter.compile()
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp_model = DistributedDataParallel(self.drafter, device_ids=ids, process_group=self.group)
+
+    def install_signal_handlers(self) -> None:
+        def mark(signum, _frame):
+            if not self.signal_seen and self.is_reporter:
+                print(f"received signal {signum}: all ranks stop and checkpoint after the current step", flush=True)
+            self.signal_seen = True
+
+        signal.signal(signal.SIGTERM, mark)
+        signal.signal(signal.SIGINT, mark)
+
+    def train_step(self):
+        check_fault(self.global_rank, self.step)
+        return super().train_step()
+
+    def reduce_step(self, totals: torch.Tensor) -> torch.Tensor:
+        flag = torch.tensor([1.0 if self.signal_seen else 0.0], dtype=torch.float64)
+        v = torch.cat([totals, flag]).to(self.device)
+        dist.all_reduce(v, group=self.group)
+        if float(v[2]) > 0:
+            self.stop_requested = True
+        return v[:2].cpu()
+
+    def reduce_stats(self, loss_sum, n, tokens, stats):
+        head = torch.tensor([loss_sum, n, tokens], dtype=torch.float64, device=self.device)
+        v = torch.cat([head, stats.to_vector().to(self.device, torch.float64)])
+        dist.all_reduce(v, group=self.group)
+        return float(v[0]), int(v[1]), int(v[2]), type(stats).from_vector(v[3:].float())
+
+    def _report_eval(self):
+        return super()._report_eval() if self.is_reporter else None  # evaluation needs no other rank
+
+
+class DrafterRankTrainer(DataParallelTrainer):
+    """Disaggregated drafter rank: no target; features arrive from target ranks, embedding/head by broadcast."""
+
+    consumer: FeatureConsumer
+
+    def next_input(self):
+        return self.consumer.receive()
+
+    def embed_tokens(self) -> nn.Embedding:
+        return self._embed
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._lm_head
+
+    def _report_eval(self):
+        if self.is_reporter and self.eval_set is not None:
+            self.observer.event("eval skipped: disaggregated drafter ranks hold no target "
+                                "(evaluate the exported drafter with `dflash export` and a serving engine)")
+        return None
+
+
+def _broadcast_object(obj, src: int, group=None):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def share_frozen_head(target_model, group, src: int, rank: int, device: torch.device, dtype: torch.dtype):
+    """Target rank `src` sends the frozen embedding table and LM head to the drafter ranks (once)."""
+    if rank == src:
+        embed, head = target_model.embed_tokens.weight, target_model.lm_head.weight
+        header = [tuple(embed.shape), tuple(head.shape), head.data_ptr() == embed.data_ptr()]
+    else:
+        header = None
+    embed_shape, head_shape, tied = _broadcast_object(header, src, group)
+    if rank != src:
+        embed = torch.empty(embed_shape, dtype=dtype, device=device)
+        head = embed if tied else torch.empty(head_shape, dtype=dtype, device=device)
+    dist.broadcast(embed.data, src=src, group=group)
+    if not tied:
+        dist.broadcast(head.data, src=src, group=group)
+    return embed, head
+
+
+def run_colocated(config: RunConfig, plan: RankPlan, rank: int, device: torch.device) -> dict:
+    trainer = DataParallelTrainer(config, plan, rank, device, group=None)
+    trainer.install_signal_handlers()  # before setup: a SIGTERM while models load must not kill the rank
+    trainer.setup()
+    trainer.wrap()
+    return _run_reporting_failure(trainer)
+
+
+def _run_reporting_failure(trainer: Trainer) -> dict:
+    try:
+        return trainer.run()
+    except BaseException:
+        trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed")
+        raise
+
+
+def run_disaggregated(config: RunConfig, plan: RankPlan, rank: int, device: torch.device) -> dict | None:
+    timeout = timedelta(seconds=config.topology.timeout_s)
+    # every rank creates every group, in the same order
+    drafter_group = dist.new_group(list(plan.drafter_ranks), timeout=timeout)
+    head_group = dist.new_group([plan.target_ranks[0], *plan.drafter_ranks], timeout=timeout)
+    dtype = DTYPES[config.target.dtype]
+    if plan.is_target(rank):
+        return run_target_rank(config, plan, rank, device, head_group, dtype, timeout)
+    trainer = DrafterRankTrainer(config, plan, rank, device, drafter_group)
+    trainer.install_signal_handlers()
+    trainer.setup(with_target=False)
+    _broadcast_object({"step": trainer.step, "total_steps": trainer.total_steps,
+                       "sampler": trainer.sampler.state_dict()}, plan.reporter)
+    embed, head = share_frozen_head(None, head_group, plan.target_ranks[0], rank, device, dtype)
+    trainer._embed = nn.Embedding.from_pretrained(embed, freeze=True)
+    trainer._lm_head = head
+    layout = TransferLayout.for_config(config.data.token_budget, config.data.bucket_size, config.data.max_length,
+                                       len(trainer.layer_ids) * embed.shape[1], dtype)
+    accum = config.optim.grad_accum
+    schedule = ItemSchedule(plan.target_ranks, plan.drafter_ranks, trainer.step * accum,
+                            (trainer.total_steps - trainer.step) * accum)
+    trainer.consumer = FeatureConsumer(schedule, trainer.rank, layout, config.topology.max_inflight, device, timeout)
+    trainer.wrap()
+    if trainer.is_reporter:
+        trainer.observer.event(f"disaggregated: {len(plan.target_ranks)} target rank(s) feed "
+                               f"{len(plan.drafter_ranks)} drafter rank(s); {layout.bytes_per_item() / 2**20:.1f} "
+                               f"MiB per micro-batch transfer, {config.topology.max_inflight} in flight per drafter")
+    result = _run_reporting_failure(trainer)
+    trainer.consumer.finish()
+    return result
+
+
+def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.device, head_group,
+                    dtype: torch.dtype, timeout: timedelta) -> None:
+    # the drafter ranks decide when to stop and tell this rank (STOP credits)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    trainer = Trainer(config, is_reporter=False, device=device).setup(with_drafter=False)
+    info = _broadcast_object(None, plan.reporter)
+    if rank == plan.target_ranks[0]:
+        share_frozen_head(trainer.target, head_group, rank, rank, device, dtype)
+    c, drafters = config, len(plan.drafter_ranks)
+    samplers = []
+    for d in range(drafters):  # the data drafter rank d would read in colocated mode
+        s = RoundRobinBatchSampler(trainer.train_set.lengths(), c.data.token_budget, c.data.bucket_size,
+                                   c.data.max_length, seed=c.seed, rank=d, world_size=drafters,
+                                   multiple_of=c.optim.grad_accum)
+        s.load_state_dict(info["sampler"])
+        samplers.append(s)
+    accum = c.optim.grad_accum
+    schedule = ItemSchedule(plan.target_ranks, plan.drafter_ranks, info["step"] * accum,
+                            (info["total_steps"] - info["step"]) * accum)
+    layout = TransferLayout.for_config(c.data.token_budget, c.data.bucket_size, c.data.max_length,
+                                       len(trainer.layer_ids) * trainer.target.hidden_size, dtype)
+    producer = FeatureProducer(schedule, rank, layout, c.topology.max_inflight, device, timeout)
+    pad = trainer.tokenizer.pad_token_id or 0
+    print(f"{plan.describe(rank)}: producing for {drafters} drafter rank(s) from step {info['step']}", flush=True)
+    for d, n, mine in producer.mine():
+        epoch, blen, idx = samplers[d].next()
+        if not mine:
+            continue
+        if not producer.wants(d, n):
+            break
+        check_fault(rank, info["step"] + n // accum)
+        batch = collate(trainer.train_set.samples, idx, blen, pad).to(device)
+        producer.send(d, n, epoch, batch, trainer.features(batch))
+    producer.finish()
+    print(f"{plan.describe(rank)}: sent {producer.sent} micro-batches", flush=True)
+    return None

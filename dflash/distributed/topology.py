@@ -1,0 +1,140 @@
+"""Which rank does what: roles, GPUs and process groups derived from `topology` (one process per GPU).
+
+Ranks are numbered the way torchrun numbers them: global rank = node * nproc_per_node + local rank, and
+every node has the same layout. In disaggregated mode the first `len(target_gpus)` local ranks of a node
+are target ranks and the rest drafter ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dflash.config import RunConfig, TopologyConfig
+from dflash.errors import BadInput
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    mode: str
+    nnodes: int
+    nproc_per_node: int
+    target_ranks: tuple[int, ...]  # global ranks that run the target forward for others (disaggregated)
+    drafter_ranks: tuple[int, ...]  # global ranks that train the drafter (data-parallel group)
+    local_gpus: tuple[int, ...]  # GPU id of each local rank (the same on every node)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.mode == "disaggregated"
+
+    @property
+    def reporter(self) -> int:
+        """The one rank that logs, writes the heartbeat and checkpoints: drafter rank 0."""
+        return self.drafter_ranks[0]
+
+    def is_target(self, rank: int) -> bool:
+        return rank in self.target_ranks
+
+    def drafter_index(self, rank: int) -> int:
+        return self.drafter_ranks.index(rank)
+
+    def target_index(self, rank: int) -> int:
+        return self.target_ranks.index(rank)
+
+    def gpu_of(self, rank: int) -> int:
+        return self.local_gpus[rank % self.nproc_per_node]
+
+    def describe(self, rank: int) -> str:
+        if self.is_target(rank):
+            return f"target rank {self.target_index(rank)}/{len(self.target_ranks)}"
+        return f"drafter rank {self.drafter_index(rank)}/{len(self.drafter_ranks)}"
+
+
+def plan_ranks(top: TopologyConfig) -> RankPlan:
+    if top.mode == "colocated":
+        n = top.nproc
+        ranks = tuple(range(top.nnodes * n))
+        return RankPlan("colocated", top.nnodes, n, (), ranks, tuple(range(n)))
+    tg, dg = list(top.target_gpus or []), list(top.drafter_gpus or [])
+    n = len(tg) + len(dg)
+    targets = tuple(node * n + i for node in range(top.nnodes) for i in range(len(tg)))
+    drafters = tuple(node * n + i for node in range(top.nnodes) for i in range(len(tg), n))
+    return RankPlan("disaggregated", top.nnodes, n, targets, drafters, tuple(tg + dg))
+
+
+def uses_cuda(config: RunConfig) -> bool:
+    requested = config.runtime.device
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
+def backend_for(config: RunConfig) -> str:
+    backend = config.topology.backend
+    cuda = uses_cuda(config)
+    if backend == "auto":
+        return "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise BadInput("topology.backend is 'nccl' but the ranks run on the CPU (runtime.device); set "
+                       "topology.backend=gloo or auto")
+    return backend
+
+
+def check_devices(config: RunConfig, plan: RankPlan) -> None:
+    """Before any model loads: the GPUs the topology names exist, one process per GPU (CUDA runs only)."""
+    if not uses_cuda(config):
+        return
+    if not torch.cuda.is_available():
+        raise BadInput("runtime.device is 'cuda' but no CUDA GPU is visible; check CUDA_VISIBLE_DEVICES or "
+                       "set runtime.device=cpu")
+    visible = torch.cuda.device_count()
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+    if plan.nproc_per_node > visible:
+        key = "topology.nproc" if plan.mode == "colocated" else "topology.target_gpus + topology.drafter_gpus"
+        raise BadInput(f"{key} asks for {plan.nproc_per_node} ranks (one GPU each) on this node but only {visible} "
+                       f"GPU(s) are visible{where}; lower {key} or expose more GPUs")
+    bad = sorted(g for g in plan.local_gpus if g >= visible)
+    if bad:
+        raise BadInput(f"topology names GPU ids {bad} but only ids 0..{visible - 1} are visible{where}; fix "
+                       "topology.target_gpus / topology.drafter_gpus")
+
+
+def check_target_fits(config: RunConfig, plan: RankPlan) -> None:
+    """A target rank holds the whole target (layer split is not implemented): refuse one that cannot fit."""
+    if not uses_cuda(config):
+        return
+    need = target_weight_bytes(config)
+    if need is None:
+        return
+    holders = plan.local_gpus[:len(plan.target_ranks) // plan.nnodes] if plan.disaggregated else plan.local_gpus
+    for gpu in holders:
+        have = torch.cuda.get_device_properties(gpu).total_memory
+        if need > 0.9 * have:
+            raise BadInput(f"the target's weights need {need / 2**30:.1f} GiB but GPU {gpu} has "
+                           f"{have / 2**30:.1f} GiB; splitting one target across several target ranks is not "
+                           "implemented yet: use larger GPUs, target.dtype=bfloat16, or a smaller target")
+
+
+def target_weight_bytes(config: RunConfig) -> int | None:
+    """Size of the target's weights from its config alone (built on the meta device; nothing is loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models.target import DTYPES
+
+    try:
+        if config.target.random_init is not None:
+            spec = dict(config.target.random_init)
+            tcfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        else:
+            tcfg = AutoConfig.from_pretrained(config.target.path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tcfg)
+    except Exception:  # noqa: BLE001 - an estimate only; loading reports real problems later
+        return None
+    itemsize = torch.empty((), dtype=DTYPES[config.target.dtype]).element_size()
+    return sum(p.numel() for p in model.parameters()) * itemsize
