@@ -29,7 +29,42 @@ lint: $(STAMP)
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-test: lint pytest
+test: lint pytest molecule
+
+# --- the local LXC host: make train / status / stop, molecule -----------------
+# Ansible runs from the repository's venv with the repository's ansible.cfg.
+ANSIBLE_ENV := PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ANSIBLE_CONFIG="$(CURDIR)/ansible.cfg"
+LOCAL_INVENTORY := inventories/local
+# The container and job of inventories/local (for the hints printed by `make train`).
+LOCAL_CONTAINER := dflash-local
+LOCAL_JOB := dflash-tiny
+
+.PHONY: host-setup molecule
+
+# lxc, debootstrap, sshd and the Python lxc bindings (idempotent, fast when done).
+host-setup: $(STAMP)
+	scripts/host-setup.sh $(VENV)
+
+train: host-setup
+	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/train.yml
+	@echo
+	@echo "Training runs in the LXC container $(LOCAL_CONTAINER), as the systemd unit $(LOCAL_JOB).service there."
+	@echo "  log:         /var/log/dflash/$(LOCAL_JOB).log  (host path: /var/lib/lxc/$(LOCAL_CONTAINER)/rootfs/var/log/dflash/$(LOCAL_JOB).log)"
+	@echo "  heartbeat:   /var/lib/dflash/runs/$(LOCAL_JOB)/heartbeat.json"
+	@echo "  checkpoints: /var/lib/dflash/runs/$(LOCAL_JOB)/checkpoints/"
+	@echo "  follow:      lxc-attach -n $(LOCAL_CONTAINER) -- tail -F /var/log/dflash/$(LOCAL_JOB).log"
+	@echo "  status:      make status"
+	@echo "  stop:        make stop"
+
+status: $(STAMP)
+	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/status.yml
+
+stop: $(STAMP)
+	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/stop.yml
+
+# Every molecule scenario (real LXC containers; see molecule/README.md).
+molecule: host-setup
+	$(ANSIBLE_ENV) molecule test --all
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
