@@ -125,7 +125,7 @@ failures:
   elements: dict
 diagnosis:
   description: Human-readable report (also the failure message).
-  returned: always
+  returned: success (on failure it is RV(msg))
   type: str
 unit:
   description: The unit's state (backend, active_state, sub_state, main_pid, main_pid_alive, exit_status, result).
@@ -153,20 +153,20 @@ tau:
   type: float
 heartbeat:
   description: The whole heartbeat document, or null.
-  returned: always
+  returned: success
   type: dict
 gpus:
   description: GPU facts as in M(dflash_gpu_facts) (only when O(gpu_ids) is set).
-  returned: always
+  returned: success
   type: list
   elements: dict
 gpu_table:
-  description: The GPUs as a table, or null.
-  returned: always
+  description: The GPUs as a table, or null (on failure, inside RV(msg)).
+  returned: success
   type: str
 log_tail:
-  description: The last O(log_lines) lines of the log.
-  returned: always
+  description: The last O(log_lines) lines of the log (on failure, inside RV(msg)).
+  returned: success
   type: list
   elements: str
 elapsed_s:
@@ -215,7 +215,9 @@ def main():
     except UnitError as exc:
         module.fail_json(msg=str(exc))
     if not result["healthy"] and params["fail_on_unhealthy"]:
-        module.fail_json(msg=result["diagnosis"], **result)
+        # The diagnosis already holds the log tail and GPU table: keep the failure output readable.
+        brief = {k: v for k, v in result.items() if k not in ("diagnosis", "log_tail", "gpu_table", "gpus", "gpu_processes", "heartbeat")}
+        module.fail_json(msg=result["diagnosis"], **brief)
     module.exit_json(changed=False, **result)
 
 
