@@ -102,7 +102,14 @@ class DrafterRankTrainer(DataParallelTrainer):
     consumer: FeatureConsumer
 
     def next_input(self):
-        return self.consumer.receive()
+        epoch, batch, features = self.consumer.receive()
+        # the local sampler tracks the data position for checkpoints (target ranks resume from it)
+        want_epoch, want_len, _ = self.sampler.next()
+        if (epoch, batch.input_ids.shape[1]) != (want_epoch, want_len):
+            raise RuntimeError(f"drafter rank {self.rank} received a batch of epoch {epoch}, length "
+                               f"{batch.input_ids.shape[1]}; its data position says epoch {want_epoch}, length "
+                               f"{want_len}: target and drafter ranks disagree on the schedule")
+        return epoch, batch, features
 
     def embed_tokens(self) -> nn.Embedding:
         return self._embed

@@ -1,0 +1,166 @@
+"""Real multi-process runs on CPU with gloo: `dflash train` starts torchrun itself.
+
+* a 2-rank colocated run and a 1-target + 2-drafter disaggregated run follow the loss trajectory of a
+  single-process run of the same global batch (grad_accum=2) step for step, and end with the same weights;
+* a rank that raises ends the job non-zero, torchrun's summary names the rank and its error, and the last
+  checkpoint is intact;
+* SIGTERM stops every rank at one step boundary with a checkpoint, and the resumed run continues the
+  uninterrupted trajectory.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash.checkpoint import CheckpointManager
+from dflash.config import RunConfig, _build, validate
+from dflash.models.drafter import Drafter
+from dflash.train import Trainer
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 12
+COLOCATED = {"mode": "colocated", "nproc": 2, "timeout_s": 60}
+DISAGGREGATED = {"mode": "disaggregated", "target_gpus": [0], "drafter_gpus": [1, 2], "timeout_s": 60}
+
+
+def tiny(output_dir: Path, topology: dict | None = None, **optim) -> dict:
+    data = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
+    data["output_dir"] = str(output_dir)
+    data["data"]["synthetic"]["num_samples"] = 200  # ~10 batches per epoch: the run crosses epochs
+    data["optim"].update({"max_steps": STEPS, **optim})
+    data["checkpoint"]["interval"] = 3
+    data["logging"]["interval"] = 1
+    data["runtime"]["num_threads"] = 1
+    if topology:
+        data["topology"] = topology
+    return data
+
+
+def write(data: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def spawn(config: Path, *overrides: str, fault: str | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("DFLASH_") and k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if fault:
+        env["DFLASH_FAULT_INJECT"] = fault
+    return subprocess.Popen([sys.executable, "-m", "dflash", "train", str(config), *overrides], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, limit: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not end within {limit}s:\n{out[-4000:]}")
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return Drafter.load(CheckpointManager(output_dir / "checkpoints").latest_valid()).state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, the same global batch: 2 micro-batches per step (grad_accum=2)."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    cfg = _build(RunConfig, tiny(out, grad_accum=2), "")
+    validate(cfg)
+    result = Trainer(cfg).setup().run()
+    assert result["step"] == STEPS
+    return {"losses": losses(out), "weights": final_weights(out)}
+
+
+@pytest.mark.parametrize("topology", [COLOCATED, DISAGGREGATED], ids=["colocated-2", "disaggregated-1t2d"])
+def test_loss_trajectory_matches_single_process(topology, reference, tmp_path):
+    out = tmp_path / "run"
+    rc, log, _ = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml")), 240)
+    assert rc == 0, log[-4000:]
+    got, want = losses(out), reference["losses"]
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    print(f"{topology['mode']}: " + " ".join(f"{s}:{got[s]:.5f}/{want[s]:.5f}" for s in sorted(want)))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+    weights = final_weights(out)
+    for name, value in reference["weights"].items():
+        assert torch.allclose(weights[name], value, atol=1e-5, rtol=1e-4), name
+    # only drafter rank 0 reports: one line per step in metrics.jsonl, one heartbeat
+    assert json.loads((out / "heartbeat.json").read_text())["status"] == "finished"
+    if topology["mode"] == "disaggregated":
+        assert f"target rank 0/1: sent {2 * STEPS} micro-batches" in log
+
+
+@pytest.mark.parametrize("topology,fault", [(COLOCATED, "1:4"), (DISAGGREGATED, "0:4")],
+                         ids=["colocated-drafter-rank-1", "disaggregated-target-rank-0"])
+def test_a_crashing_rank_ends_the_job_and_names_itself(topology, fault, tmp_path):
+    out = tmp_path / "run"
+    rc, log, elapsed = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml"), fault=fault), 180)
+    rank = fault.split(":")[0]
+    assert rc == 1, log[-4000:]
+    assert elapsed < 120
+    root_cause = log.split("Root Cause (first observed failure):", 1)[1]
+    assert f"rank      : {rank} (local_rank: {rank})" in root_cause
+    assert f"InjectedFault: injected fault (DFLASH_FAULT_INJECT={fault}) on rank {rank} at step 4" in root_cause
+    assert "the distributed job failed" in log
+    ckpts = CheckpointManager(out / "checkpoints")
+    last = ckpts.latest_valid()
+    assert last is not None and last.name == "step-00000003" and ckpts.verify(last) is None
+    assert Drafter.load(last).arch.block_size == 8
+    assert json.loads((out / "heartbeat.json").read_text())["status"] in ("failed", "training")
+
+
+def test_sigterm_checkpoints_every_rank_then_resume_continues_the_trajectory(reference, tmp_path):
+    out = tmp_path / "run"
+    config = write(tiny(out, DISAGGREGATED), tmp_path / "run.yaml")
+    proc = spawn(config)
+    heartbeat = out / "heartbeat.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if heartbeat.exists() and json.loads(heartbeat.read_text())["step"] >= 3:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[0][-4000:]
+    proc.send_signal(signal.SIGTERM)
+    rc, log, elapsed = finish(proc, 90)
+    assert rc == 0, log[-4000:]
+    beat = json.loads(heartbeat.read_text())
+    stopped_at = beat["step"]
+    assert beat["status"] == "stopped" and 3 <= stopped_at < STEPS, log[-3000:]
+    assert f"done: step {stopped_at} (stopped by signal, checkpoint saved)" in log
+    assert "Traceback" not in log
+    last = CheckpointManager(out / "checkpoints").latest_valid()
+    assert last.name == f"step-{stopped_at:08d}"
+    print(f"stopped at step {stopped_at}, {elapsed:.1f}s after SIGTERM")
+
+    rc, log, _ = finish(spawn(config), 240)
+    assert rc == 0, log[-4000:]
+    assert f"resumed from {last} at step {stopped_at}" in log
+    got, want = losses(out), reference["losses"]
+    assert max(got) == STEPS
+    for step in range(stopped_at + 1, STEPS + 1):
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+    weights = final_weights(out)
+    for name, value in reference["weights"].items():
+        assert torch.allclose(weights[name], value, atol=1e-5, rtol=1e-4), name
+
