@@ -72,7 +72,7 @@ def _print_done(result: dict) -> None:
 def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], nproc_per_node: int) -> list[str]:
     top = config.topology
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
-           "--max-restarts", "0", "--shutdown-timeout", str(WORKER_SHUTDOWN_S)]
+           "--max-restarts", "0"]
     if top.nnodes == 1:
         cmd += ["--standalone"]  # a free local port: no clash with other jobs on this machine
     else:
@@ -121,7 +121,9 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
     try:
         print(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}",
               flush=True)
-        proc = subprocess.Popen(cmd)
+        # torchrun's grace before SIGKILL of the other workers after one failed (also its default)
+        env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WORKER_SHUTDOWN_S)}
+        proc = subprocess.Popen(cmd, env=env)
         escalated = 0
         while True:
             try:
