@@ -18,10 +18,10 @@ description:
     status C(training) was written within O(progress_window) (the trainer rewrites it at logging intervals only).
   - A heartbeat with status C(finished) and a unit that exited 0 count as healthy (RV(finished)).
   - A dead unit or a missing nvidia-smi ends the wait at once; any other failure that lasts O(progress_window) too.
-  - On failure the message is a diagnosis - the failed invariants and why (for example
-    C(no progress - heartbeat step stayed at 12 for 60s), C(unit failed - exit status 2)), the unit state and exit
+  - "On failure the message is a diagnosis: the failed invariants and why (for example
+    C(no progress: heartbeat step stayed at 12 for 60s), C(unit failed: exit status 2)), the unit state and exit
     status, the heartbeat, the GPU table and the last O(log_lines) log lines, so the trainer's own
-    C(dflash: error: ...) line appears in the play output.
+    C(dflash: error: ...) line appears in the play output."
 version_added: "0.1.0"
 author: dflash authors
 options:

@@ -71,7 +71,7 @@ changed:
   returned: always
   type: bool
 release:
-  description: The release directory for O(src)'s content.
+  description: The release directory for O(src)'s content (null in check mode when O(src) does not exist yet).
   returned: always
   type: str
   sample: /opt/dflash/releases/3f9c0a6b1d2e4f50
@@ -114,6 +114,7 @@ pruned:
   elements: str
 """
 
+import os
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule
@@ -131,6 +132,11 @@ def main():
         supports_check_mode=True,
     )
     p = module.params
+    if module.check_mode and not os.path.isdir(p["src"]):
+        # A first run in check mode: the copy into src was only simulated.
+        module.warn(f"src {p['src']} does not exist (check mode: assuming an earlier task creates it)")
+        module.exit_json(changed=True, release=None, current=os.path.join(p["dest"], "current"), previous_release=None,
+                         manifest_hash=None, files=0, files_added=[], files_removed=[], files_modified=[], pruned=[])  # fmt: skip
     try:
         result = sync(p["src"], p["dest"], exclude=p["exclude"], keep=p["keep"], check_mode=module.check_mode)
     except SyncError as exc:

@@ -234,16 +234,19 @@ def main():
     if launching:
         if not p["command"]:
             module.fail_json(msg="command must list at least the program to run, e.g. [/opt/dflash/venv/bin/python, -m, dflash, train, CONFIG]")
+        missing = []
         if p["environment_file"]:
             env_text = read_text(p["environment_file"])
             if env_text is None:
-                module.fail_json(
-                    msg=f"environment_file {p['environment_file']} does not exist: write it first (the env role does) or drop the option"
-                )
+                missing.append(f"environment_file {p['environment_file']} does not exist: write it first (the env role does) or drop the option")
         if p["config_path"]:
             config_text = read_text(p["config_path"])
             if config_text is None:
-                module.fail_json(msg=f"config_path {p['config_path']} does not exist: render the run config before launching")
+                missing.append(f"config_path {p['config_path']} does not exist: render the run config before launching")
+        if missing and not module.check_mode:
+            module.fail_json(msg="; ".join(missing))
+        for message in missing:  # in check mode the files may be due to an earlier (skipped) task
+            module.warn(message + " (check mode: assuming it will exist)")
     spec = {
         "name": name,
         "command": p["command"] or [],

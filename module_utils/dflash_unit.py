@@ -267,6 +267,10 @@ class SystemdBackend:
         return status["load_state"] != "not-found" or os.path.isdir(spec["state_dir"])
 
     def start(self, spec):
+        # systemd opens the log (append:) but does not create its directory.
+        log_dir = os.path.dirname(spec["log_path"])
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
         # A failed unit of the same name would block the new one.
         self._systemctl("reset-failed", unit_name(spec["name"]))
         rc, out, err = self.host.run(systemd_run_args(spec))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -53,3 +54,30 @@ def test_ansible_lint_production_profile(ansible_env):
 def test_yamllint(ansible_env):
     proc = subprocess.run([tool("yamllint"), "-s", "."], cwd=ROOT, env=ansible_env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+
+
+def test_ruff_on_the_ansible_python():
+    proc = subprocess.run([tool("ruff"), "check", "library", "module_utils", "tests/ansible"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+MODULES = sorted(p.stem for p in (ROOT / "library").glob("dflash_*.py"))
+
+
+def test_module_docs_render_and_match_the_argument_spec(ansible_env):
+    assert MODULES == ["dflash_gpu_facts", "dflash_health", "dflash_sync", "dflash_unit"]
+    proc = subprocess.run([tool("ansible-doc"), "-t", "module", "-M", "library", "--json", *MODULES], cwd=ROOT, env=ansible_env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    docs = json.loads(proc.stdout)
+    for name in MODULES:
+        doc = docs[name]
+        assert doc["doc"]["attributes"]["check_mode"]["support"] == "full", name
+        assert "diff_mode" in doc["doc"]["attributes"], name
+        assert doc["examples"].strip() and doc["return"], name
+        source = (ROOT / "library" / f"{name}.py").read_text()
+        spec = source[source.index("argument_spec={"):]
+        documented = set(doc["doc"]["options"])
+        coded = set(re.findall(r'^\s{12}"(\w+)": \{"type"', spec, re.M))
+        assert documented == coded, f"{name}: documented {sorted(documented ^ coded)} differ from argument_spec"
