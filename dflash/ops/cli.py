@@ -100,8 +100,13 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
     """The result for a human: one row per container, then log tails and failure diagnoses."""
     if result.containers:
         table = Table(title=f"dflash ops {result.operation}: {escape(result.inventory)}", title_justify="left")
-        for column in ("container", "state", "unit", "pid", "exit", "step", "tokens/s", "tau", "GPU memory"):
-            table.add_column(column, justify="right" if column in ("pid", "exit", "step", "tokens/s", "tau") else "left")
+        # Names and states stay whole on a narrow terminal; the other columns wrap.
+        table.add_column("container", no_wrap=True, min_width=max(len(h) for h in result.containers))
+        table.add_column("state", no_wrap=True, min_width=11)
+        table.add_column("unit", overflow="fold")
+        for column in ("pid", "exit", "step", "tok/s", "tau"):
+            table.add_column(column, justify="right")
+        table.add_column("GPU MiB", overflow="fold")
         for c in result.containers.values():
             style = _STATE_STYLE.get(c.state, "")
             unit = f"{c.unit_state}/{c.sub_state}" if c.unit_state else "-"
@@ -124,7 +129,7 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
 def _gpu_memory(c: ContainerStatus) -> str:
     if not c.gpus:
         return "-"
-    return " ".join(f"{g.index}:{_fmt(g.used_mib)}/{_fmt(g.total_mib)}MiB" for g in c.gpus)
+    return " ".join(f"{g.index}:{_fmt(g.used_mib)}/{_fmt(g.total_mib)}" for g in c.gpus)
 
 
 def main(argv: list[str] | None = None) -> int:

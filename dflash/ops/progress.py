@@ -14,6 +14,16 @@ from dflash.ops.results import MODULE_HEALTH, MODULE_UNIT, failure_message, fail
 _INCLUDES = {"include_role", "include_tasks", "import_role", "import_tasks"}
 
 
+class _RunningTask:
+    """The spinner's text: the task and how long it has been running, re-rendered on every refresh."""
+
+    def __init__(self, task: str) -> None:
+        self.task, self.started = task, time.monotonic()
+
+    def __rich__(self) -> str:
+        return f"{escape(self.task)} [dim]{time.monotonic() - self.started:.0f}s[/]"
+
+
 class RichProgress:
     """An ansible-runner event handler that prints to a rich console (stderr by default).
 
@@ -37,7 +47,7 @@ class RichProgress:
             task = data.get("task") or data.get("name") or "?"
             self._task = f"{data['role']} : {task}" if data.get("role") else task
             self._task_started = time.monotonic()
-            self._spin(f"{self._task} ...")
+            self._spin(_RunningTask(self._task))
         elif kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable", "runner_on_skipped"):
             self._host_result(kind, data)
         elif kind == "playbook_on_stats":
@@ -75,14 +85,14 @@ class RichProgress:
             self._print(f"[{colour}]{escape(host)}[/]: ok={(data.get('ok') or {}).get(host, 0)} "
                         f"changed={(data.get('changed') or {}).get(host, 0)} failed={failed} unreachable={dark}")
 
-    def _spin(self, text: str) -> None:
+    def _spin(self, running: _RunningTask) -> None:
         if not self.console.is_terminal:
             return
         if self._status is None:
-            self._status = self.console.status(escape(text))
+            self._status = self.console.status(running)
             self._status.start()
         else:
-            self._status.update(escape(text))
+            self._status.update(running)
 
     def _print(self, markup: str) -> None:
         self.console.print(markup, soft_wrap=True)

@@ -42,7 +42,7 @@ def test_train_status_logs_stop_in_the_local_container(capsys):
     job = trained.containers[CONTAINER]
     assert job.state in ("training", "finished"), trained.message
     assert job.backend == "systemd" and job.unit_state == "active" and job.pid
-    assert job.action in ("none", "started", "restarted") and job.step is not None and job.tau is not None
+    assert job.action in ("none", "started", "restarted") and job.step is not None
 
     status = ops.status(INVENTORY, progress=False)
     assert status.ok, status.message
@@ -59,8 +59,9 @@ def test_train_status_logs_stop_in_the_local_container(capsys):
     stopped = ops.stop(INVENTORY, progress=False)
     assert stopped.ok, stopped.message
     done = stopped.containers[CONTAINER]
-    assert done.action == "stopped" and done.unit_state in ("inactive", "failed")
-    assert done.exit_status == 0 and done.state == "stopped"
+    assert done.action == "stopped" and done.unit_state == "inactive" and done.state == "stopped"
+    # systemd unloads a transient unit that stopped cleanly, and its exit status with it.
+    assert done.exit_status in (0, None) and done.pid is None
 
     after = ops.status(INVENTORY, progress=False)
     assert after.ok and after.containers[CONTAINER].state == "stopped" and after.containers[CONTAINER].pid is None
