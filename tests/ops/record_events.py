@@ -9,6 +9,7 @@ arguments, diffs and console text dropped) and written to tests/ops/events/.
     .venv/bin/python tests/ops/record_events.py [ROOT]
     .venv/bin/python tests/ops/record_events.py --lxc   # status of inventories/local (read-only)
     python3 tests/ops/record_events.py --gpu ROOT       # on a GPU machine: the tiny run on GPU 0
+    .venv/bin/python tests/ops/record_events.py --artifacts DIR NAME   # keep a past run's job_events/
 
 Writes only under ROOT (default /tmp/dflash-ops-fixture)
 and ~/.cache/dflash. Takes about two minutes.
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash.ops.results import module_name
 from dflash.ops.runner import start
 
 HERE = Path(__file__).resolve().parent
@@ -40,7 +42,9 @@ def trim(event: dict[str, Any]) -> dict[str, Any] | None:
         return None
     data = {key: event["event_data"][key] for key in EVENT_DATA_KEYS if key in event.get("event_data", {})}
     if isinstance(data.get("res"), dict):
-        data["res"] = {key: value for key, value in data["res"].items() if key not in RES_DROP}
+        # Gathered facts are large and no result reads them; dflash_gpu_facts' facts are kept.
+        drop = RES_DROP + (("ansible_facts",) if module_name(data) in ("setup", "gather_facts") else ())
+        data["res"] = {key: value for key, value in data["res"].items() if key not in drop}
     return {"event": event["event"], "event_data": data}
 
 
@@ -59,6 +63,23 @@ def record(name: str, operation: str, extravars: dict[str, Any], limit: str | No
     EVENTS.mkdir(exist_ok=True)
     (EVENTS / f"{name}.json").write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
     print(f"{name}: {result.message}", flush=True)
+
+
+def from_artifacts(artifact_dir: Path, name: str) -> None:
+    """Save the events of a run that already happened (e.g. tests/ops/test_ops_lxc.py's train)."""
+    paths = sorted((artifact_dir / "job_events").glob("*.json"), key=lambda p: int(p.name.split("-", 1)[0]))
+    events = [json.loads(p.read_text()) for p in paths]
+    status = (artifact_dir / "status").read_text().strip()
+    rc = int((artifact_dir / "rc").read_text())
+    operation = artifact_dir.name.rsplit("-", 1)[-1]
+    document = {
+        "recorded_with": f"tests/ops/record_events.py --artifacts {artifact_dir.name} {name}",
+        "operation": operation,
+        "runner": {"status": status, "rc": rc},
+        "events": [t for t in map(trim, events) if t is not None],
+    }
+    (EVENTS / f"{name}.json").write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    print(f"{name}: {len(document['events'])} events from {artifact_dir}")
 
 
 def fresh(root: Path) -> dict[str, Any]:
@@ -99,7 +120,9 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--gpu"]:
+    if sys.argv[1:2] == ["--artifacts"]:
+        from_artifacts(Path(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1:2] == ["--gpu"]:
         record_gpu(Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp/dflash-ops-fixture"))
     elif sys.argv[1:] == ["--lxc"]:
         # The systemd backend in a real LXC container, with a job `make train` started.

@@ -151,3 +151,17 @@ def test_gpu_memory_per_gpu_from_a_run_on_a_real_gpu():
     stopped = replay("stop_gpu").containers["dflash-fixture"]
     # The trainer did not reach a step boundary within the 30 s stop timeout: SIGKILL (128 + 9).
     assert stopped.action == "stopped" and stopped.exit_status == 137 and stopped.state == "failed"
+
+
+def test_train_yml_in_a_real_lxc_container():
+    # train.yml (provision + deploy) from tests/ops/test_ops_lxc.py: the code had changed, so a restart.
+    doc = load("train_lxc_systemd")
+    plays = [e["event_data"]["play"] for e in doc["events"] if e["event"] == "playbook_on_play_start"]
+    assert plays == ["Create and start the training containers", "Prepare the training environment inside the containers",
+                     "Deploy the training job"]
+    result = replay("train_lxc_systemd")
+    assert result.ok and list(result.containers) == ["dflash-local"]  # delegated host tasks count for the container
+    job = result.containers["dflash-local"]
+    assert job.state == "training" and job.backend == "systemd" and job.action == "restarted"
+    assert job.unit_state == "active" and job.pid > 1 and job.step > 0
+    assert result.message.startswith("train ok: dflash-local training, step ")
