@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("-l", "--limit", help="only these hosts (an Ansible host pattern)")
         s.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
         s.add_argument("-q", "--quiet", action="store_true", help="no live progress")
+        if name == "status":
+            s.add_argument("--require-training", action="store_true",
+                           help="exit 1 unless every job is training (or finished); for monitoring and CI")
         if name == "logs":
             s.add_argument("-n", "--lines", type=int, default=40, help="lines per job (default 40)")
             s.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
@@ -155,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result.to_dict(), indent=2, default=str))
     elif not (args.operation == "logs" and args.follow):
         render(result, out, show_logs=args.operation in ("status", "logs"))
+    idle = [c for c in result.containers.values() if c.state not in (TRAINING, FINISHED)]
+    if result.ok and getattr(args, "require_training", False) and idle:
+        err.print("dflash ops: error: not training: " + escape(", ".join(f"{c.host} is {c.state}" for c in idle)),
+                  soft_wrap=True)
+        return EXIT_FAILURE
     if result.ok:
         if not args.json:
             out.print(escape(result.message), soft_wrap=True)

@@ -127,3 +127,12 @@ def test_logs_follow_prints_new_lines_per_host(monkeypatch, capsys):
     assert seen[1]["dflash_ops_log_offsets"] == {"dflash-fixture": first.containers["dflash-fixture"].log_next_offset}
     tail = first.containers["dflash-fixture"].log_tail + second.containers["dflash-fixture"].log_tail
     assert lines == [("dflash-fixture", line) for line in tail]
+
+
+def test_status_can_require_every_job_to_train(replayed, capsys):
+    replayed("stop")  # a read that succeeded, of a job that is not training
+    assert ops_cli.main(["status", "-i", "inv", "-q"]) == 0
+    assert ops_cli.main(["status", "-i", "inv", "-q", "--require-training"]) == 1
+    assert "dflash ops: error: not training: dflash-fixture is stopped" in capsys.readouterr().err
+    replayed("status_lxc_systemd")
+    assert ops_cli.main(["status", "-i", "inv", "-q", "--require-training"]) == 0

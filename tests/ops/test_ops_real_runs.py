@@ -83,3 +83,11 @@ def test_deploy_status_logs_stop_on_this_machine(cache, job_vars):
     assert stopped.ok, stopped.message
     job = stopped.containers[one]
     assert job.state == "stopped" and job.exit_status == 0 and job.unit_state == "inactive"
+
+
+def test_a_canceled_run(cache, job_vars):
+    run = ops.start("status", INVENTORY, limit="dflash-gone", extravars=job_vars)
+    run.cancel()
+    result = run.wait(120)
+    assert result is not None and run.done
+    assert not result.ok and result.status == "canceled" and "canceled" in result.message
