@@ -29,7 +29,7 @@ lint: $(STAMP)
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q
 
-test: lint pytest molecule
+test: host-setup lint pytest molecule
 
 # --- the local LXC host: make train / status / stop, molecule -----------------
 # Ansible runs from the repository's venv with the repository's ansible.cfg.
