@@ -165,3 +165,14 @@ def test_train_yml_in_a_real_lxc_container():
     assert job.state == "training" and job.backend == "systemd" and job.action == "restarted"
     assert job.unit_state == "active" and job.pid > 1 and job.step > 0
     assert result.message.startswith("train ok: dflash-local training, step ")
+
+
+def test_failure_messages_prefer_the_specific_part():
+    from dflash.ops.results import failure_message
+
+    loop = {"failed": True, "msg": "One or more items failed",
+            "results": [{"failed": False, "item": "a"}, {"failed": True, "item": "b", "msg": "b is missing"}]}
+    assert failure_message(loop) == "b is missing"
+    command = {"failed": True, "msg": "non-zero return code", "rc": 2, "stderr": "dflash: error: data.train_path: no file"}
+    assert failure_message(command) == "non-zero return code: dflash: error: data.train_path: no file"
+    assert failure_message({"failed": True}) == "failed without a message"
