@@ -171,7 +171,10 @@ def failure_message(res: dict[str, Any]) -> str:
     msg = str(res.get("msg") or "").strip()
     stderr = str(res.get("stderr") or res.get("module_stderr") or "").strip()
     if stderr and (not msg or msg in ("non-zero return code", "MODULE FAILURE\nSee stdout/stderr for the exact error")):
-        return f"{msg}: {stderr}" if msg else stderr
+        # A traceback's exception and the trainer's `dflash: error: ...` are the last line; the
+        # whole stderr stays in the run's artifacts.
+        last = stderr.splitlines()[-1].strip()
+        return f"{msg.splitlines()[0]}: {last}" if msg else last
     return msg or "failed without a message"
 
 

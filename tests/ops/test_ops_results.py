@@ -176,3 +176,6 @@ def test_failure_messages_prefer_the_specific_part():
     command = {"failed": True, "msg": "non-zero return code", "rc": 2, "stderr": "dflash: error: data.train_path: no file"}
     assert failure_message(command) == "non-zero return code: dflash: error: data.train_path: no file"
     assert failure_message({"failed": True}) == "failed without a message"
+    crash = {"failed": True, "msg": "MODULE FAILURE\nSee stdout/stderr for the exact error",
+             "module_stderr": "Traceback (most recent call last):\n  File \"x\", line 1\nOSError: disk full\n"}
+    assert failure_message(crash) == "MODULE FAILURE: OSError: disk full"
