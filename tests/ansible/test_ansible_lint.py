@@ -44,6 +44,7 @@ def test_inventories_define_the_groups(ansible_env):
     assert proxmox["dflash_job_target_gpu_ids"] == [0, 1, 2, 3, 4] and proxmox["dflash_job_drafter_gpu_ids"] == [5, 6, 7]
 
 
+@pytest.mark.slow
 def test_ansible_lint_production_profile(ansible_env):
     env = {**ansible_env, "ANSIBLE_LINT_SKIP_SCHEMA_UPDATE": "1"}
     proc = subprocess.run([tool("ansible-lint"), "--offline", "--nocolor"], cwd=ROOT, env=env,

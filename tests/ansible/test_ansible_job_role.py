@@ -1,0 +1,131 @@
+"""The job role end to end on this machine (daemon backend, local connection) with a stand-in trainer that
+follows the runtime contract (log lines, heartbeat.json, `dflash: error:` + exit 2): the second run changes
+nothing, a config change restarts, a trainer that exits at once fails the play with its own error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+from ansible.module_utils.dflash_host import LocalHost
+from ansible.module_utils.dflash_unit import DaemonBackend, default_state_dir
+from conftest import ROOT, tool
+
+pytestmark = pytest.mark.slow
+
+# Stands in for `VENV/bin/python -m dflash train CONFIG [--check]`.
+FAKE_PYTHON = textwrap.dedent(f"""\
+    #!{sys.executable}
+    import json, os, sys, time
+    import yaml
+    if sys.argv[1:4] != ["-m", "dflash", "train"]:
+        os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
+    config = yaml.safe_load(open(sys.argv[4]))
+    if "--check" in sys.argv:
+        print("config OK")
+        sys.exit(0)
+    if config.get("fake_error"):
+        print("dflash: error: " + config["fake_error"], file=sys.stderr)
+        sys.exit(2)
+    out = config["output_dir"]
+    os.makedirs(out, exist_ok=True)
+    step = 0
+    while True:
+        step += 1
+        print(f"step {{step}} epoch 0 loss 3.2100 acc@1 0.120 tau 1.05 tok/s 1234 lr 6.00e-04 mem 0.10GiB", flush=True)
+        beat = dict(step=step, epoch=0, time=time.time(), pid=os.getpid(), status="training", loss=3.21, tau=1.05, tokens_per_s=1234.0)
+        with open(out + "/heartbeat.json.tmp", "w") as f:
+            json.dump(beat, f)
+        os.replace(out + "/heartbeat.json.tmp", out + "/heartbeat.json")
+        time.sleep(0.2)
+""")
+
+
+def _include(**variables):
+    return {"name": "Deploy", "ansible.builtin.include_role": {"name": "job"}, "vars": variables}
+
+
+def _keep(name):
+    return {"name": f"Keep {name}", "ansible.builtin.set_fact": {name: "{{ dflash_job_unit }}"}}
+
+
+@pytest.fixture(scope="module")
+def role_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("jobrole")
+    repo = tmp / "repo"
+    (repo / "dflash").mkdir(parents=True)
+    (repo / "dflash" / "__init__.py").write_text("")
+    (repo / "configs").mkdir()
+    (repo / "configs" / "fake.yaml").write_text("output_dir: runs/fake\nseed: 0\nlogging:\n  interval: 1\n")
+    (repo / "pyproject.toml").write_text("[project]\nname = 'fake'\n")
+    (tmp / "venv" / "bin").mkdir(parents=True)
+    (tmp / "venv" / "bin" / "python").write_text(FAKE_PYTHON)
+    os.chmod(tmp / "venv" / "bin" / "python", 0o755)
+    (tmp / "etc").mkdir()
+    (tmp / "etc" / "job.env").write_text("OMP_NUM_THREADS=1\n")
+    host = {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+        "dflash_job_name": "fakejob", "dflash_job_backend": "daemon", "dflash_job_source_dir": str(repo),
+        "dflash_job_base_config": "fake.yaml", "dflash_job_venv": str(tmp / "venv"), "dflash_job_user": "root",
+        "dflash_job_root": str(tmp / "opt"), "dflash_job_run_dir": str(tmp / "run"), "dflash_job_config_path": str(tmp / "etc" / "job.yaml"),
+        "dflash_job_log_path": str(tmp / "log" / "job.log"), "dflash_job_env_file": str(tmp / "etc" / "job.env"),
+        "dflash_job_compile_cache_dir": str(tmp / "cache" / "compile"), "dflash_job_stop_timeout": 5,
+        "dflash_job_health_timeout": 30, "dflash_job_health_progress_window": 10, "dflash_job_health_poll_interval": 1,
+    }  # fmt: skip
+    inventory = {"all": {"children": {"dflash_containers": {"hosts": {"here": host}}}}}
+    # The unit state lives under /var/lib/dflash/units/NAME: use a name of this run.
+    name = host["dflash_job_name"] = f"fakejob-{os.getpid()}"
+    (tmp / "hosts.yml").write_text(yaml.safe_dump(inventory))
+    tasks = [
+        _include(dflash_job_config={"seed": 0}), _keep("first"),
+        _include(dflash_job_config={"seed": 0}), _keep("second"),
+        _include(dflash_job_config={"seed": 1}), _keep("changed"),
+        {"name": "Crash", "block": [_include(dflash_job_config={"fake_error": "data.train_path /x does not exist; fix data.train_path"},
+                                             dflash_job_validate_config=False)],
+         "rescue": [{"name": "Keep the failure", "ansible.builtin.set_fact": {"crash": "{{ ansible_failed_result }}"}}]},
+        {"name": "Stop", "ansible.builtin.include_role": {"name": "job", "tasks_from": "stop.yml"}, "vars": {"dflash_job_stop_state": "absent"}},
+        {"name": "Dump", "ansible.builtin.copy": {"dest": str(tmp / "results.json"), "mode": "0644",
+                                                   "content": "{{ {'first': first, 'second': second, 'changed': changed, 'crash': crash | default(none)} | to_json }}"}},
+    ]  # fmt: skip
+    (tmp / "play.yml").write_text(yaml.safe_dump([{"name": "Job role", "hosts": "dflash_containers", "gather_facts": False, "tasks": tasks}], sort_keys=False))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}
+    try:
+        proc = subprocess.run([tool("ansible-playbook"), "-i", str(tmp / "hosts.yml"), str(tmp / "play.yml")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    finally:  # never leave the stand-in trainer running, whatever happened to the play
+        spec = {"name": name, "state_dir": default_state_dir(name), "stop_timeout": 1}
+        DaemonBackend(LocalHost()).stop(spec)
+        shutil.rmtree(spec["state_dir"], ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    results = json.loads((tmp / "results.json").read_text())
+    results["_stdout"], results["_tmp"] = proc.stdout, tmp
+    return results
+
+
+def test_first_run_starts_and_second_changes_nothing(role_run):
+    assert role_run["first"]["action"] == "started" and role_run["first"]["active_state"] == "active"
+    assert role_run["second"]["action"] == "none" and not role_run["second"]["changed"]
+    assert role_run["second"]["main_pid"] == role_run["first"]["main_pid"]
+    assert "already running with this code and config" in role_run["_stdout"]
+
+
+def test_config_change_restarts(role_run):
+    changed = role_run["changed"]
+    assert changed["action"] == "restarted" and changed["previous_hash"] == role_run["first"]["config_hash"]
+    assert changed["main_pid"] != role_run["first"]["main_pid"]
+    rendered = yaml.safe_load((role_run["_tmp"] / "etc" / "job.yaml").read_text())
+    assert rendered["output_dir"] == str(role_run["_tmp"] / "run")  # forced to the run dir
+
+
+def test_trainer_that_exits_at_once_fails_with_its_error(role_run):
+    crash = role_run["crash"]
+    assert crash is not None, "the crash deploy did not fail"
+    assert "unit failed: exit status 2" in crash["msg"]
+    assert "dflash: error: data.train_path /x does not exist; fix data.train_path" in crash["msg"]
+    assert "dflash: error: data.train_path /x does not exist" in role_run["_stdout"]
