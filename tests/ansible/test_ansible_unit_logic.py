@@ -227,3 +227,76 @@ def test_gpu_wait_is_skipped_without_nvidia_smi(tmp_path, fake_host):
     result = ensure(_spec(tmp_path), "started", RecordingBackend(False, log), fake_host(which={}))
     assert result["action"] == "started" and log == ["stop", "start"]
     assert result["gpu_release"]["skipped"] == "nvidia-smi not found"
+
+
+# --- the systemd backend against a scripted systemctl/systemd-run -------------------------------------------
+
+SHOW_RUNNING = "LoadState=loaded\nActiveState=active\nSubState=running\nMainPID=77\nExecMainStatus=0\nExecMainCode=0\nResult=success\n"
+SHOW_GONE = "LoadState=not-found\nActiveState=inactive\nSubState=dead\nMainPID=0\nExecMainStatus=0\nExecMainCode=0\nResult=success\n"
+SHOW_FAILED = "LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\nExecMainStatus=2\nExecMainCode=1\nResult=exit-code\n"
+
+
+def _systemd_spec(tmp_path):
+    return {"name": "dflash-train", "command": ["/v/bin/python", "-m", "dflash", "train", "/c.yaml"], "log_path": str(tmp_path / "log" / "j.log"),
+            "state_dir": str(tmp_path / "state"), "stop_timeout": 30, "config_hash": "h", "settle_time": 0}  # fmt: skip
+
+
+def test_systemd_start_resets_a_failed_unit_then_runs(tmp_path, fake_host):
+    from ansible.module_utils.dflash_unit import SystemdBackend
+
+    host = fake_host({"systemctl show": (0, SHOW_FAILED, "")})
+    backend = SystemdBackend(host)
+    assert backend.status(_systemd_spec(tmp_path))["exit_status"] == 2
+    backend.start(_systemd_spec(tmp_path))
+    assert host.calls[1] == ["systemctl", "reset-failed", "dflash-train.service"]
+    assert host.calls[2][:2] == ["systemd-run", "--unit=dflash-train.service"]
+    assert (tmp_path / "log").is_dir()  # systemd does not create the log's directory
+
+
+def test_systemd_start_failure_names_the_unit_and_stderr(tmp_path, fake_host):
+    from ansible.module_utils.dflash_unit import SystemdBackend
+
+    host = fake_host({"systemd-run": (1, "", "Failed to start transient service unit: Unit dflash-train.service already exists.")})
+    with pytest.raises(UnitError, match=r"systemd-run could not start dflash-train.service \(exit 1\): Failed to start transient"):
+        SystemdBackend(host).start(_systemd_spec(tmp_path))
+
+
+def test_systemd_stop_waits_and_keeps_the_exit_status_of_an_unloaded_unit(tmp_path, fake_host):
+    from ansible.module_utils.dflash_unit import SystemdBackend
+
+    shows = iter([SHOW_RUNNING, SHOW_RUNNING, "LoadState=loaded\nActiveState=deactivating\nSubState=stop-sigterm\nMainPID=77\n",
+                  "LoadState=loaded\nActiveState=inactive\nSubState=dead\nMainPID=0\nExecMainStatus=0\nExecMainCode=1\n"])  # fmt: skip
+    host = fake_host({"systemctl show": lambda h: (0, next(shows, SHOW_GONE), "")})
+    backend = SystemdBackend(host)
+    status = backend.stop(_systemd_spec(tmp_path))
+    assert ["systemctl", "stop", "dflash-train.service"] in host.calls
+    assert status["active_state"] == "inactive" and status["exit_status"] == 0
+    # Once systemd unloads the transient unit, the recorded status is still reported.
+    assert backend.status(_systemd_spec(tmp_path))["exit_status"] == 0
+
+
+def test_systemd_restart_sequence_in_order(tmp_path, fake_host):
+    from ansible.module_utils.dflash_unit import SystemdBackend
+
+    running = {"value": True}
+
+    def show(h):
+        return 0, (SHOW_RUNNING if running["value"] else SHOW_GONE), ""
+
+    def stop(h):
+        running["value"] = False
+        return 0, "", ""
+
+    def run(h):
+        running["value"] = True
+        return 0, "Running as unit: dflash-train.service", ""
+
+    host = fake_host({"systemctl show": show, "systemctl stop": stop, "systemd-run": run})
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "config_hash").write_text("old\n")
+    result = ensure(_systemd_spec(tmp_path), "started", SystemdBackend(host), host)
+    verbs = [c[1] if c[0] == "systemctl" else c[0] for c in host.calls]
+    assert result["action"] == "restarted" and result["backend"] == "systemd"
+    stop_at, start_at = verbs.index("stop"), verbs.index("systemd-run")
+    assert stop_at < verbs.index("reset-failed") < start_at
+    assert result["active_state"] == "active" and result["main_pid"] == 77
