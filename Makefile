@@ -62,7 +62,7 @@ status: $(STAMP)
 stop: $(STAMP)
 	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/stop.yml
 
-# Every molecule scenario (real LXC containers; see molecule/README.md).
+# Every molecule scenario (real LXC containers; see docs/operations.md).
 molecule: host-setup
 	$(ANSIBLE_ENV) molecule test --all
 
