@@ -209,7 +209,21 @@ def sec_drafter(args):
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", False)]
     grads = {}
-    for name, kind, compile_model in variants:
+    initial = {k: v.clone() for k, v in drafter.state_dict().items()}
+    wanted = [v for v in variants if v[0] in args.drafter_variants.split(",")]
+    for name, kind, compile_model in wanted:  # gradients of every variant at the same weights first
+        drafter.load_state_dict(initial)
+        drafter.zero_grad(set_to_none=True)
+        fwd = torch.compile(drafter.forward) if compile_model else drafter.forward
+        flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
+            loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096)
+        loss.backward()
+        grads[name] = torch.cat([p.grad.flatten().float() for p in drafter.parameters()])
+        out["variants"][name] = {"loss_at_init": float(loss.detach())}
+    drafter.load_state_dict(initial)
+    for name, kind, compile_model in wanted if args.drafter_timing else []:
         try:
             fwd = torch.compile(drafter.forward) if compile_model else drafter.forward
             flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
@@ -223,13 +237,12 @@ def sec_drafter(args):
                 return loss
 
             loss = step()
-            grads[name] = torch.cat([p.grad.flatten().float() for p in drafter.parameters()])
             t = timed(lambda: (step(), opt.step()), 2, 5)
             mem = peak_mem_gib(lambda: (step(), opt.step()))
-            out["variants"][name] = {"step_s": t, "tokens_per_s": seq / t,
+            out["variants"][name] |= {"step_s": t, "tokens_per_s": seq / t,
                                      "blocks_per_s": int(blocks.anchor_valid.sum()) / t,
                                      "tflops": flops.training / t / 1e12, "mfu": flops.training / t / peak,
-                                     "peak_gib": mem, "loss": float(loss)}
+                                     "peak_gib": mem, "loss": float(loss.detach())}
         except Exception as exc:  # keep the other variants
             out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             traceback.print_exc()
@@ -332,9 +345,9 @@ def sec_hybrid_one(args):
     batch, seq = (1, 64) if args.tiny else (args.hybrid_batch, 4096)
     ids = torch.randint(0, spec["vocab_size"], (batch, seq), device=device())
     feats = target.features(ids).float()
-    t = timed(lambda: target.features(ids), 1, 3)
+    t = timed(lambda: target.features(ids), 1, 2)
     params = sum(p.numel() for p in model.parameters())
-    sample = feats[0, :256].cpu()
+    sample = feats[0, :64, :4096].cpu()
     torch.save(sample, OUT / f"hybrid-feats-{args.label}.pt")
     print(json.dumps({"label": args.label, "params_b": params / 1e9, "build_s": t_build, "tokens_per_s": batch * seq / t,
                       "report": report.describe(), "fast": report.fast, "kernels_seen": report.kernels_seen}))
@@ -406,6 +419,8 @@ def main() -> int:
     p.add_argument("--hybrid-batch", type=int, default=2)
     p.add_argument("--budgets", default="3072,6144,12288,24576")
     p.add_argument("--e2e-steps", type=int, default=12)
+    p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile")
+    p.add_argument("--no-drafter-timing", dest="drafter_timing", action="store_false")
     args = p.parse_args()
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)

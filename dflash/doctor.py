@@ -22,7 +22,8 @@ def probe_fast_path(device: torch.device) -> FastPathReport:
     from dflash.models.target import build_hf_model
 
     try:
-        model = build_hf_model(None, dict(PROBE_HYBRID), "bfloat16" if device.type == "cuda" else "float32")
+        model = build_hf_model(None, dict(PROBE_HYBRID), "bfloat16" if device.type == "cuda" else "float32",
+                               device=device)
     except Exception as exc:  # transformers without qwen3_next
         fla, conv = kernels_importable()
         return FastPathReport(hybrid=True, fla_importable=fla, causal_conv1d_importable=conv,

@@ -158,7 +158,7 @@ class Trainer:
     def _load_target(self) -> Target:
         c = self.config
         model = build_hf_model(c.target.path, c.target.random_init, c.target.dtype, c.target.attn_implementation,
-                               seed=c.seed)
+                               seed=c.seed, device=self.device)
         target = Target(model.to(self.device), self.layer_ids)
         report = target.fast_path_report()
         self.observer.event(f"target: {target.num_layers} layers, hidden {target.hidden_size}, tapped "

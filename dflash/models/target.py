@@ -163,7 +163,9 @@ class Target(nn.Module):
 
 
 def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: str,
-                   attn_implementation: str | None = None, seed: int = 0) -> nn.Module:
+                   attn_implementation: str | None = None, seed: int = 0,
+                   device: torch.device | str = "cpu") -> nn.Module:
+    """Weights are created (or loaded) directly on `device`: a random 8B init on the CPU takes minutes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
@@ -171,7 +173,8 @@ def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: 
         kwargs["attn_implementation"] = attn_implementation
     if path is not None:
         try:
-            return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+            return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, device_map=str(device),
+                                                        **kwargs)
         except (OSError, ValueError) as exc:
             raise BadInput(f"target.path '{path}' could not be loaded as a causal LM: {exc}") from None
     assert random_init is not None
@@ -184,7 +187,8 @@ def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: 
     devices_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
     finally:
         torch.random.set_rng_state(devices_state)
     return model
