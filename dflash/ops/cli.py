@@ -153,18 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("dflash ops: canceled")
         return EXIT_FAILURE
-    if args.json:
-        if not (args.operation == "logs" and args.follow):
-            print(json.dumps(result.to_dict(), indent=2, default=str))
-    elif not (args.operation == "logs" and args.follow):
-        render(result, out, show_logs=args.operation in ("status", "logs"))
+    # `logs` printed its lines as `host | line` (or JSON lines with --follow --json) already.
+    lines_only = args.operation == "logs"
+    if args.json and not (lines_only and args.follow):
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    elif not args.json and not lines_only:
+        render(result, out, show_logs=args.operation == "status")
     idle = [c for c in result.containers.values() if c.state not in (TRAINING, FINISHED)]
     if result.ok and getattr(args, "require_training", False) and idle:
         err.print("dflash ops: error: not training: " + escape(", ".join(f"{c.host} is {c.state}" for c in idle)),
                   soft_wrap=True)
         return EXIT_FAILURE
     if result.ok:
-        if not args.json:
+        if not args.json and not lines_only:
             out.print(escape(result.message), soft_wrap=True)
         return EXIT_OK
     err.print(f"dflash ops: error: {escape(result.message)}", soft_wrap=True)
@@ -174,15 +175,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _logs(args: argparse.Namespace, extravars: dict[str, Any], progress: bool) -> OpsResult:
-    if not args.follow:
-        return api.logs(args.inventory, args.lines, limit=args.limit, progress=progress, extravars=extravars)
+    """Print `host | line` per log line (pipe-friendly), JSON lines with --follow --json."""
 
     def emit(host: str, lines: list[str]) -> None:
         for line in lines:
             print(json.dumps({"host": host, "line": line}) if args.json else f"{host} | {line}", flush=True)
 
-    return api.logs(args.inventory, args.lines, follow=True, limit=args.limit, progress=progress, on_lines=emit,
-                    interval=args.interval, extravars=extravars)
+    if args.follow:
+        return api.logs(args.inventory, args.lines, follow=True, limit=args.limit, progress=progress, on_lines=emit,
+                        interval=args.interval, extravars=extravars)
+    result = api.logs(args.inventory, args.lines, limit=args.limit, progress=progress, extravars=extravars)
+    if not args.json:
+        for host, container in result.containers.items():
+            emit(host, container.log_tail)
+    return result
 
 
 if __name__ == "__main__":  # pragma: no cover

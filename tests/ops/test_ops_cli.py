@@ -136,3 +136,10 @@ def test_status_can_require_every_job_to_train(replayed, capsys):
     assert "dflash ops: error: not training: dflash-fixture is stopped" in capsys.readouterr().err
     replayed("status_lxc_systemd")
     assert ops_cli.main(["status", "-i", "inv", "-q", "--require-training"]) == 0
+
+
+def test_logs_prints_host_and_line_only(replayed, capsys):
+    replayed("logs")
+    assert ops_cli.main(["logs", "-i", "inv", "-n", "5", "-q"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 5 and all(line.startswith("dflash-fixture | ") for line in out)
