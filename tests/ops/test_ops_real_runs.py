@@ -91,3 +91,15 @@ def test_a_canceled_run(cache, job_vars):
     result = run.wait(120)
     assert result is not None and run.done
     assert not result.ok and result.status == "canceled" and "canceled" in result.message
+
+
+def test_a_playbook_that_ansible_rejects_reports_ansibles_error(cache, tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "playbooks").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[2] / "ansible.cfg", project)
+    (project / "playbooks" / "status.yml").write_text(
+        "- name: Broken\n  hosts: dflash_containers\n  tasks:\n    - name: A typo\n      no_such_module_xyz: {}\n")
+    monkeypatch.setenv("DFLASH_PROJECT_DIR", str(project))
+    result = ops.status(INVENTORY, limit="dflash-fixture", progress=False)
+    assert not result.ok and not result.bad_input and result.containers == {}
+    assert "couldn't resolve module/action 'no_such_module_xyz'" in result.message
