@@ -33,7 +33,13 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.lxc, pytest.mark.slow, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
+pytestmark = [
+    pytest.mark.lxc,
+    pytest.mark.slow,
+    pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
+    # A first train.yml builds the container's rootfs and installs torch in it.
+    pytest.mark.timeout(3600),
+]
 
 
 def test_train_status_logs_stop_in_the_local_container(capsys):
