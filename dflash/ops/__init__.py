@@ -11,10 +11,10 @@ runner's structured events. See docs/ops-api.md.
 """
 
 from dflash.ops.api import deploy, logs, run, status, stop, train
-from dflash.ops.results import ContainerStatus, GpuMemory, OpsResult, TaskFailure
+from dflash.ops.results import ContainerStatus, GpuMemory, OpsFailed, OpsResult, TaskFailure
 from dflash.ops.runner import OpsRun, start
 
 __all__ = [
-    "ContainerStatus", "GpuMemory", "OpsResult", "OpsRun", "TaskFailure",
+    "ContainerStatus", "GpuMemory", "OpsFailed", "OpsResult", "OpsRun", "TaskFailure",
     "deploy", "logs", "run", "start", "status", "stop", "train",
 ]

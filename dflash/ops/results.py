@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash.errors import DflashError
+
 MODULE_UNIT = "dflash_unit"
 MODULE_HEALTH = "dflash_health"
 MODULE_GPU_FACTS = "dflash_gpu_facts"
@@ -89,6 +91,14 @@ class ContainerStatus:
     failure: TaskFailure | None = None
 
 
+class OpsFailed(DflashError):
+    """An operation failed; ``.result`` is its :class:`OpsResult`."""
+
+    def __init__(self, result: OpsResult) -> None:
+        super().__init__(result.message)
+        self.result = result
+
+
 @dataclass
 class OpsResult:
     """The outcome of one operation (one playbook run)."""
@@ -120,6 +130,12 @@ class OpsResult:
             return f"{self.operation} failed: ansible-runner status {self.status}, rc {self.rc}"
         parts = [f"{c.host} {_describe(c)}" for c in self.containers.values()]
         return f"{self.operation} ok: " + ("; ".join(parts) if parts else "no containers")
+
+    def raise_for_failure(self) -> OpsResult:
+        """Self if the operation succeeded, else raise :class:`OpsFailed` (for scripts and schedulers)."""
+        if not self.ok:
+            raise OpsFailed(self)
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

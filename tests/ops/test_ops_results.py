@@ -179,3 +179,16 @@ def test_failure_messages_prefer_the_specific_part():
     crash = {"failed": True, "msg": "MODULE FAILURE\nSee stdout/stderr for the exact error",
              "module_stderr": "Traceback (most recent call last):\n  File \"x\", line 1\nOSError: disk full\n"}
     assert failure_message(crash) == "MODULE FAILURE: OSError: disk full"
+
+
+def test_raise_for_failure():
+    import pytest
+
+    from dflash.ops import OpsFailed
+
+    ok = replay("deploy_success")
+    assert ok.raise_for_failure() is ok
+    failed = replay("deploy_health_failed")
+    with pytest.raises(OpsFailed, match="task 'job : Assert that the trainer trains' failed on dflash-fixture") as exc:
+        failed.raise_for_failure()
+    assert exc.value.result is failed
