@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from ops_replay import load, replay
 from rich.console import Console
 
+from dflash.ops import OpsFailed
 from dflash.ops.progress import RichProgress
-from dflash.ops.results import EventCollector, derive_state, module_name
+from dflash.ops.results import EventCollector, derive_state, failure_message, module_name
 
 
 def test_the_recordings_are_real_runner_streams():
@@ -168,8 +170,6 @@ def test_train_yml_in_a_real_lxc_container():
 
 
 def test_failure_messages_prefer_the_specific_part():
-    from dflash.ops.results import failure_message
-
     loop = {"failed": True, "msg": "One or more items failed",
             "results": [{"failed": False, "item": "a"}, {"failed": True, "item": "b", "msg": "b is missing"}]}
     assert failure_message(loop) == "b is missing"
@@ -182,10 +182,6 @@ def test_failure_messages_prefer_the_specific_part():
 
 
 def test_raise_for_failure():
-    import pytest
-
-    from dflash.ops import OpsFailed
-
     ok = replay("deploy_success")
     assert ok.raise_for_failure() is ok
     failed = replay("deploy_health_failed")
