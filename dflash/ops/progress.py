@@ -8,7 +8,14 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from dflash.ops.results import MODULE_HEALTH, MODULE_UNIT, failure_message, failure_summary, module_name
+from dflash.ops.results import (
+    MODULE_HEALTH,
+    MODULE_UNIT,
+    failure_message,
+    failure_summary,
+    health_diagnosis,
+    module_name,
+)
 
 # Tasks that only include others: their "ok" says nothing.
 _INCLUDES = {"include_role", "include_tasks", "import_role", "import_tasks"}
@@ -67,7 +74,8 @@ class RichProgress:
             line = f"  [bold red]UNREACHABLE[/] {host}  {task}: {escape(str(res.get('msg') or ''))}"
         elif kind == "runner_on_failed":
             label = "[yellow]failed (ignored)[/]" if data.get("ignore_errors") else "[bold red]FAILED[/]"
-            why = failure_summary(failure_message(res), res.get("diagnosis"))
+            diagnosis = health_diagnosis(res) if module_name(data) == MODULE_HEALTH else None
+            why = failure_summary(failure_message(res), diagnosis)
             line = f"  {label} {host}  {task}: {escape(why)}"
         elif kind == "runner_on_skipped":
             line = f"  [dim]skipped {host}  {task}[/]"

@@ -253,7 +253,7 @@ class EventCollector:
         if kind == "runner_on_failed":
             self.failures[host] = TaskFailure(
                 host=host, task=_task_name(data), message=failure_message(res), play=data.get("play"),
-                module=module or None, diagnosis=res.get("diagnosis") if module == MODULE_HEALTH else None)
+                module=module or None, diagnosis=health_diagnosis(res) if module == MODULE_HEALTH else None)
 
     def result(self, operation: str, playbook: str, inventory: str, status: str, rc: int | None,
                artifact_dir: str | None = None, error: str | None = None, bad_input: bool = False) -> OpsResult:
@@ -307,13 +307,18 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
     container.healthy = bool(res["healthy"])
     container.finished = bool(res.get("finished"))
     container.failed_invariants = list(res.get("failed_invariants") or [])
-    container.diagnosis = res.get("diagnosis")
+    container.diagnosis = health_diagnosis(res)
     for key in ("step", "epoch", "loss", "tokens_per_s", "tau"):
         setattr(container, key, res.get(key))
     if res.get("gpus"):
         container.gpus = _gpus(res["gpus"])
     if res.get("log_tail"):
         container.log_tail = list(res["log_tail"])
+
+
+def health_diagnosis(res: dict[str, Any]) -> str | None:
+    """dflash_health's report: `diagnosis` on success, the failure message itself on failure."""
+    return res.get("diagnosis") or (res.get("msg") if res.get("healthy") is False else None)
 
 
 def _apply_gpu_facts(container: ContainerStatus, res: dict[str, Any]) -> None:
