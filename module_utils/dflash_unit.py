@@ -344,10 +344,16 @@ def _environ_has(pid, marker):
         return False
 
 
-def job_processes(pgid, token=None):
-    """Live (non-zombie) processes of the job: its process group, plus anything that left
-    the group (setsid) but inherited the job's DFLASH_UNIT_ID marker. Never matches by name."""
-    marker = (f"DFLASH_UNIT_ID={token}").encode() if token else None
+def job_processes(record):
+    """Live (non-zombie) processes of the job described by a daemon pidfile ``record``.
+
+    The job's leader counts while its pid has the recorded start time; every other process
+    must carry the job's DFLASH_UNIT_ID marker in its environment (inherited by all
+    descendants, also those that left the process group). A recycled pid or process-group
+    number therefore never matches, and nothing is ever matched by name.
+    """
+    marker = ("DFLASH_UNIT_ID=" + record["token"]).encode() if record.get("token") else None
+    leader = int(record["pid"])
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -356,9 +362,25 @@ def job_processes(pgid, token=None):
         stat = proc_stat(pid)
         if stat is None or stat[0] in ("Z", "X"):
             continue
-        if stat[1] == pgid or (marker is not None and pid != os.getpid() and _environ_has(pid, marker)):
+        if pid == leader:
+            if stat[2] == record.get("starttime"):
+                found.append(pid)
+        elif marker is not None and pid != os.getpid() and _environ_has(pid, marker):
             found.append(pid)
     return sorted(found)
+
+
+def _signal_job(record, sig):
+    """Signal the job: its whole process group while the leader lives, plus every marked process."""
+    members = job_processes(record)
+    leader = int(record["pid"])
+    if leader in members:
+        _signal(leader, sig, group=True)
+    for pid in members:
+        stat = proc_stat(pid)
+        if stat is not None and stat[1] != leader:  # one signal each: the group got it already
+            _signal(pid, sig)
+    return members
 
 
 def _signal(pid, sig, group=False):
@@ -497,27 +519,17 @@ class DaemonBackend:
         status = self.status(spec)
         if record is None:
             return status
-        pgid, token = int(record["pgid"]), record.get("token")
         timeout = float(spec.get("stop_timeout", 90))
-        if job_processes(pgid, token):
-            _signal(pgid, signal.SIGTERM, group=True)
-            for pid in job_processes(pgid, token):  # only the ones that left the group: one TERM each
-                stat = proc_stat(pid)
-                if stat is not None and stat[1] != pgid:
-                    _signal(pid, signal.SIGTERM)
+        if _signal_job(record, signal.SIGTERM):
             deadline = self.host.now() + timeout
-            while job_processes(pgid, token) and self.host.now() < deadline:
+            while job_processes(record) and self.host.now() < deadline:
                 self.host.sleep(0.2)
-            killed = job_processes(pgid, token)
-            if killed:
-                _signal(pgid, signal.SIGKILL, group=True)
-                for pid in killed:
-                    _signal(pid, signal.SIGKILL)
+            if _signal_job(record, signal.SIGKILL):
                 deadline = self.host.now() + 10
-                while job_processes(pgid, token) and self.host.now() < deadline:
+                while job_processes(record) and self.host.now() < deadline:
                     self.host.sleep(0.1)
-                if job_processes(pgid, token):
-                    raise UnitError(f"processes {job_processes(pgid, token)} of {spec['name']} survived SIGKILL")
+                if job_processes(record):
+                    raise UnitError(f"processes {job_processes(record)} of {spec['name']} survived SIGKILL")
         # The supervisor records the status right after the job is reaped.
         deadline = self.host.now() + 5
         while read_exit_status(spec["state_dir"]) is None and self.host.now() < deadline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import subprocess
@@ -52,10 +53,10 @@ def test_start_status_stop_by_process_group(daemon):
     pid = status["main_pid"]
     assert os.getpgid(pid) == pid and os.getsid(pid) != os.getsid(0)  # own group, own session
     assert wait_for(lambda: "step 3" in open(spec["log_path"]).read())
-    members = job_processes(pid)
-    assert members == [pid]  # the python loop; the supervisor stays outside its group
+    record = json.loads(open(spec["state_dir"] + "/pid").read())
+    assert job_processes(record) == [pid]  # the python loop; the supervisor is not part of the job
     after = backend.stop(spec)
-    assert job_processes(pid) == []
+    assert job_processes(record) == []
     assert after["active_state"] == "failed" and after["exit_status"] == 143  # python died of SIGTERM
     assert after["main_pid"] is None
 
@@ -94,11 +95,11 @@ def test_sigkill_after_stop_timeout(daemon):
     spec = make([sys.executable, "-c", code], stop_timeout=1)
     backend.start(spec)
     assert wait_for(lambda: "up" in open(spec["log_path"]).read())
-    pid = backend.status(spec)["main_pid"]
+    record = json.loads(open(spec["state_dir"] + "/pid").read())
     started = time.monotonic()
     status = backend.stop(spec)
     assert 0.9 <= time.monotonic() - started < 8
-    assert job_processes(pid) == [] and status["exit_status"] in (137, 143)
+    assert job_processes(record) == [] and status["exit_status"] == 137
 
 
 def test_processes_that_leave_the_group_are_stopped_too(daemon, tmp_path):
@@ -166,6 +167,7 @@ def test_restart_sequence_for_real(daemon, tmp_path):
     host = LocalHost()
     first = ensure(spec, "started", backend, host)
     assert first["action"] == "started" and first["active_state"] == "active"
+    first_record = json.loads(open(spec["state_dir"] + "/pid").read())
     assert not any(cache.iterdir())  # cleared before the start
     (cache / "fxgraph").mkdir()
     again = ensure(spec, "started", backend, host)
@@ -173,10 +175,25 @@ def test_restart_sequence_for_real(daemon, tmp_path):
     assert (cache / "fxgraph").exists()  # no restart, cache untouched
     changed = ensure({**spec, "config_hash": "h2"}, "started", backend, host)
     assert changed["action"] == "restarted" and changed["previous_hash"] == "h1"
-    assert changed["main_pid"] != first["main_pid"] and job_processes(first["main_pid"]) == []
+    assert changed["main_pid"] != first["main_pid"] and job_processes(first_record) == []
     assert not any(cache.iterdir())
     stopped = ensure({**spec, "config_hash": "h2"}, "stopped", backend, host)
     assert stopped["action"] == "stopped" and stopped["active_state"] != "active"
     removed = ensure(spec, "absent", backend, host)
     assert removed["action"] == "removed" and not os.path.exists(spec["state_dir"])
     assert ensure(spec, "absent", backend, host)["action"] == "none"
+
+
+def test_a_recycled_process_group_is_never_signalled(daemon, tmp_path):
+    # A stale pidfile whose pid/pgid now belongs to an unrelated process (same number, other start time).
+    bystander = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        state = tmp_path / "stale"
+        state.mkdir()
+        (state / "pid").write_text(json.dumps({"pid": bystander.pid, "pgid": bystander.pid, "token": "0" * 32, "starttime": 1}))
+        backend, _ = daemon
+        status = backend.stop({"name": "stale", "state_dir": str(state), "stop_timeout": 1})
+        assert bystander.poll() is None and status["active_state"] != "active"
+    finally:
+        bystander.kill()
+        bystander.wait()
