@@ -18,8 +18,8 @@ description:
     (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command in its own process group under a
     tiny supervisor process (outside that group) that records the exit status in C(state_dir/exit_status), also after
     a SIGKILL. Stop is SIGTERM to the job's process group
-    (plus processes that left the group but carry the job's C(DFLASH_UNIT_ID) marker), then SIGKILL after
-    O(stop_timeout). Never by process name.
+    (while its leader, known by pid and start time, lives) and to every process carrying the job's
+    C(DFLASH_UNIT_ID) environment marker, then SIGKILL after O(stop_timeout). Never by process name.
   - Idempotence by a config hash of O(command), O(environment), the content of O(environment_file), the content of
     O(config_path), O(working_directory) and O(user), stored in O(state_dir). Same hash and running = no change.
   - A different hash, a job that is not running, or O(state=restarted) runs the restart sequence as one operation -
