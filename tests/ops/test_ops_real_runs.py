@@ -103,3 +103,21 @@ def test_a_playbook_that_ansible_rejects_reports_ansibles_error(cache, tmp_path,
     result = ops.status(INVENTORY, limit="dflash-fixture", progress=False)
     assert not result.ok and not result.bad_input and result.containers == {}
     assert "couldn't resolve module/action 'no_such_module_xyz'" in result.message
+
+
+@pytest.mark.slow
+def test_a_trainer_that_dies_at_once_fails_the_deploy_with_its_error(cache, job_vars):
+    broken = {**job_vars, "dflash_job_validate_config": False,
+              "dflash_job_config": {"logging": {"interval": 1}, "optim": {"lr": "fast"}}}
+    try:
+        result = ops.deploy(INVENTORY, limit="dflash-fixture", progress=False, extravars=broken)
+    finally:
+        ops.stop(INVENTORY, limit="dflash-fixture", progress=False, extravars=job_vars)
+    assert not result.ok
+    [failure] = result.failures
+    assert failure.host == "dflash-fixture" and failure.module == "dflash_health"
+    assert "dflash: error: optim.lr: expected a number, got 'fast'" in failure.diagnosis
+    assert result.message.startswith("deploy failed: task 'job : Assert that the trainer trains' failed on dflash-fixture: ")
+    assert "unit failed" in result.message and "dflash: error: optim.lr" in result.message
+    job = result.containers["dflash-fixture"]
+    assert job.state == "failed" and job.exit_status == 2
