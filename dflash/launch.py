@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from dflash.config import RunConfig
@@ -47,10 +48,7 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
 
     apply_rendezvous_env(config)
     if distributed.under_torchrun():
-        result = distributed.run_rank(config)
-        if result is not None:
-            _print_done(result)
-        return 0
+        return _run_worker(config)
     plan = distributed.plan_ranks(config.topology)
     if plan.world_size == 1:
         from dflash.train import train
@@ -62,6 +60,31 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
     check_devices(config, plan)  # exit 2 before any process starts
     check_target_fits(config, plan)
     return launch_torchrun(config, config_path, overrides, plan)
+
+
+def _run_worker(config: RunConfig) -> int:
+    """A torchrun worker. A failing rank reports (as the CLI does) and exits at once: interpreter teardown
+    can take seconds, or hang in a process group whose peer is gone, and torchrun only acts on the exit."""
+    from dflash import distributed
+    from dflash.errors import BadInput
+
+    try:
+        result = distributed.run_rank(config)  # @record has written the error file on failure
+    except BadInput as exc:
+        print(f"dflash: error: {exc}", file=sys.stderr, flush=True)
+        _hard_exit(2)
+    except BaseException:  # noqa: BLE001 - any failure of this rank ends the job
+        traceback.print_exc()
+        _hard_exit(1)
+    if result is not None:
+        _print_done(result)
+    return 0
+
+
+def _hard_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _print_done(result: dict) -> None:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -64,6 +65,10 @@ def run_rank(config: RunConfig) -> dict | None:
         result = run_disaggregated(config, plan, rank, device)
     else:
         result = run_colocated(config, plan, rank, device)
+    # the work is done: a stop signal now must not turn a clean exit into death by signal (CPython
+    # restores the default handlers while the interpreter shuts down)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
     dist.destroy_process_group()
     return result if rank == plan.reporter else None
 

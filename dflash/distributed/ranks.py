@@ -28,7 +28,8 @@ FAULT_ENV = "DFLASH_FAULT_INJECT"
 
 
 class InjectedFault(RuntimeError):
-    """Raised by the test hook DFLASH_FAULT_INJECT=RANK:STEP (global rank, optimizer step)."""
+    """Raised by the test hook DFLASH_FAULT_INJECT=RANK:STEP: global rank RANK fails when it starts the step
+    after STEP completed ones (a target rank: when it starts producing that step's micro-batches)."""
 
 
 def check_fault(rank: int, step: int) -> None:
@@ -40,7 +41,7 @@ def check_fault(rank: int, step: int) -> None:
     except ValueError:
         raise BadInput(f"{FAULT_ENV}={spec!r}: expected RANK:STEP, e.g. 1:5") from None
     if rank == want_rank and step == want_step:
-        raise InjectedFault(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} at step {step}")
+        raise InjectedFault(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} after {step} steps")
 
 
 class DataParallelTrainer(Trainer):
@@ -155,9 +156,13 @@ def run_colocated(config: RunConfig, plan: RankPlan, rank: int, device: torch.de
     return _run_reporting_failure(trainer)
 
 
-def _run_reporting_failure(trainer: Trainer) -> dict:
+def _run_reporting_failure(trainer: Trainer, then=None) -> dict:
+    """trainer.run(), then `then()`; the reporter's heartbeat says 'failed' if either raises."""
     try:
-        return trainer.run()
+        result = trainer.run()
+        if then is not None:
+            then()
+        return result
     except BaseException:
         trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed")
         raise
@@ -190,9 +195,7 @@ def run_disaggregated(config: RunConfig, plan: RankPlan, rank: int, device: torc
         trainer.observer.event(f"disaggregated: {len(plan.target_ranks)} target rank(s) feed "
                                f"{len(plan.drafter_ranks)} drafter rank(s); {layout.bytes_per_item() / 2**20:.1f} "
                                f"MiB per micro-batch transfer, {config.topology.max_inflight} in flight per drafter")
-    result = _run_reporting_failure(trainer)
-    trainer.consumer.finish()
-    return result
+    return _run_reporting_failure(trainer, then=trainer.consumer.finish)
 
 
 def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.device, head_group,

@@ -121,13 +121,16 @@ def test_a_crashing_rank_ends_the_job_and_names_itself(topology, fault, tmp_path
     assert elapsed < 120
     root_cause = log.split("Root Cause (first observed failure):", 1)[1]
     assert f"rank      : {rank} (local_rank: {rank})" in root_cause
-    assert f"InjectedFault: injected fault (DFLASH_FAULT_INJECT={fault}) on rank {rank} at step 4" in root_cause
+    assert f"InjectedFault: injected fault (DFLASH_FAULT_INJECT={fault}) on rank {rank} after 4 steps" in root_cause
     assert "the distributed job failed" in log
+    # the last checkpoint is intact: the interval one (step 3), or step 4 when the drafter ranks could still
+    # agree on torchrun's SIGTERM at the end of step 4 (a target rank fails while producing ahead)
     ckpts = CheckpointManager(out / "checkpoints")
     last = ckpts.latest_valid()
-    assert last is not None and last.name == "step-00000003" and ckpts.verify(last) is None
+    assert last is not None and last.name in ("step-00000003", "step-00000004") and ckpts.verify(last) is None
     assert Drafter.load(last).arch.block_size == 8
-    assert json.loads((out / "heartbeat.json").read_text())["status"] in ("failed", "training")
+    assert torch.load(last / "trainer_state.pt", weights_only=False)["step"] == int(last.name[5:])
+    assert json.loads((out / "heartbeat.json").read_text())["status"] == "failed"
 
 
 def test_sigterm_checkpoints_every_rank_then_resume_continues_the_trajectory(reference, tmp_path):
