@@ -1,0 +1,66 @@
+"""The proxmox scenario's `pct` test double: Proxmox-style config in, LXC config out."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+
+import pytest
+
+from .conftest import ROOT
+
+PCT = ROOT / "molecule" / "proxmox" / "files" / "pct"
+
+
+@pytest.fixture
+def pct(tmp_path, monkeypatch):
+    loader = importlib.machinery.SourceFileLoader("pct_double", str(PCT))
+    spec = importlib.util.spec_from_loader("pct_double", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    monkeypatch.setattr(module, "STATE", str(tmp_path / "state"))
+    monkeypatch.setattr(module, "LXC_PATH", str(tmp_path / "lxc"))
+    template = tmp_path / "template"
+    (template / "etc").mkdir(parents=True)
+    (template / "etc" / "os-release").write_text("ID=debian\n")
+    module.template = str(template)
+    return module
+
+
+def test_create_set_config(pct, tmp_path, capsys):
+    pct.cmd_create("9201", pct.template, "--hostname", "ct1", "--cores", "2", "--memory", "4096",
+                   "--rootfs", "local-lvm:64", "--features", "nesting=1")  # fmt: skip
+    assert (tmp_path / "lxc" / "9201" / "rootfs" / "etc" / "os-release").exists()
+    assert (tmp_path / "lxc" / "9201" / "rootfs" / "etc" / "hostname").read_text() == "ct1\n"
+    pct.cmd_set("9201", "--mp0", "/opt/wheels,mp=/opt/wheels,ro=1", "--dev0", "/dev/nvidia0,mode=0666", "--cores", "4")
+    pct.cmd_config("9201")
+    out = capsys.readouterr().out.splitlines()
+    assert "cores: 4" in out
+    assert "mp0: /opt/wheels,mp=/opt/wheels,ro=1" in out
+    assert "rootfs: local-lvm:vm-9201-disk-0,size=64G" in out
+    lxc_config = (tmp_path / "lxc" / "9201" / "config").read_text()
+    assert "lxc.uts.name = ct1" in lxc_config
+    assert "lxc.mount.entry = /opt/wheels opt/wheels none bind,create=dir,ro 0 0" in lxc_config
+    assert "lxc.mount.entry = /dev/nvidia0 dev/nvidia0 none bind,optional,create=file 0 0" in lxc_config
+
+    pct.cmd_set("9201", "--delete", "dev0,mp0")
+    lxc_config = (tmp_path / "lxc" / "9201" / "config").read_text()
+    assert "nvidia0" not in lxc_config and "wheels" not in lxc_config
+
+
+def test_missing_container_and_duplicate_create(pct, capsys):
+    with pytest.raises(SystemExit) as missing:
+        pct.cmd_config("9999")
+    assert missing.value.code == 2
+    assert "9999.conf' does not exist" in capsys.readouterr().err
+    pct.cmd_create("9202", pct.template)
+    with pytest.raises(SystemExit):
+        pct.cmd_create("9202", pct.template)
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_unknown_command_lists_the_supported_ones(pct, capsys):
+    with pytest.raises(SystemExit):
+        pct.main(["migrate", "9201"])
+    err = capsys.readouterr().err
+    assert "unknown command 'migrate'" in err and "exec" in err and "push" in err
