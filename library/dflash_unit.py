@@ -13,7 +13,8 @@ description:
   - The C(systemd) backend launches C(systemd-run --unit NAME -p Type=exec -p KillMode=mixed -p TimeoutStopSec=N
     -p StandardOutput=append:LOG -p StandardError=append:LOG [-p EnvironmentFile=] [-p WorkingDirectory=] [-p User=]
     [--setenv K=V] -- COMMAND). Without C(--collect), so a failed unit and its exit status remain;
-    C(systemctl reset-failed) runs before a relaunch.
+    C(systemctl reset-failed) runs before a relaunch. An C(ExecStopPost=+) line records C($EXIT_CODE $EXIT_STATUS)
+    in C(state_dir/exit_status), so the status of a unit that ended cleanly (which systemd unloads) is kept too.
   - The C(daemon) backend, for hosts without systemd, double-forks into a new session, redirects stdout/stderr
     (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command in its own process group under a
     tiny supervisor process (outside that group) that records the exit status in C(state_dir/exit_status), also after

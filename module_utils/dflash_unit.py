@@ -231,6 +231,10 @@ def systemd_run_args(spec, systemd_run="systemd-run"):
         "-p", "StandardOutput=append:" + spec["log_path"],
         "-p", "StandardError=append:" + spec["log_path"],
     ]  # fmt: skip
+    # systemd unloads a transient unit that ends cleanly, and its exit status with it: record it
+    # ('+' = with full privileges, whatever User= is).
+    exit_file = os.path.join(spec["state_dir"], "exit_status")
+    args += ["-p", f"ExecStopPost=+/bin/sh -c 'echo $EXIT_CODE $EXIT_STATUS > {exit_file}'"]
     if spec.get("environment_file"):
         args += ["-p", "EnvironmentFile=" + spec["environment_file"]]
     if spec.get("working_directory"):
@@ -271,6 +275,12 @@ class SystemdBackend:
         log_dir = os.path.dirname(spec["log_path"])
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
+        if any(c in spec["state_dir"] for c in " '\"\\%$"):
+            raise UnitError(f"state_dir {spec['state_dir']!r} must not contain spaces, quotes, '%' or '$' (systemd command line)")
+        os.makedirs(spec["state_dir"], mode=0o755, exist_ok=True)
+        exit_file = os.path.join(spec["state_dir"], "exit_status")
+        if os.path.exists(exit_file):
+            os.unlink(exit_file)
         # A failed unit of the same name would block the new one.
         self._systemctl("reset-failed", unit_name(spec["name"]))
         rc, out, err = self.host.run(systemd_run_args(spec))
@@ -304,12 +314,27 @@ class SystemdBackend:
 # --------------------------------------------------------------------------- daemon
 
 
+def parse_exit_status(text):
+    """``N`` (daemon supervisor) or systemd's ``$EXIT_CODE $EXIT_STATUS`` (``exited 3``, ``killed TERM``)
+    as a shell-style status: the exit code, or 128+N for a signal. None when unknown."""
+    words = (text or "").split()
+    if len(words) == 1 and words[0].lstrip("-").isdigit():
+        return int(words[0])
+    if len(words) == 2 and words[0] == "exited" and words[1].isdigit():
+        return int(words[1])
+    if len(words) == 2 and words[0] in ("killed", "dumped"):
+        name = words[1].upper()
+        if name.isdigit():
+            return 128 + int(name)
+        try:
+            return 128 + int(signal.Signals["SIG" + name.removeprefix("SIG")])
+        except KeyError:
+            return None
+    return None
+
+
 def read_exit_status(state_dir):
-    text = (read_text(os.path.join(state_dir, "exit_status"), "") or "").strip()
-    try:
-        return int(text)
-    except ValueError:
-        return None
+    return parse_exit_status(read_text(os.path.join(state_dir, "exit_status"), ""))
 
 
 def write_exit_status(host, state_dir, value):

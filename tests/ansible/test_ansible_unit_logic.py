@@ -76,13 +76,14 @@ def test_systemd_run_command_line():
     spec = {
         "name": "dflash-train", "command": ["/v/bin/python", "-m", "dflash", "train", "/etc/dflash/c.yaml"],
         "log_path": "/var/log/dflash/j.log", "stop_timeout": 120, "environment_file": "/etc/dflash/j.env",
-        "working_directory": "/var/lib/dflash/runs/j", "user": "dflash",
+        "working_directory": "/var/lib/dflash/runs/j", "user": "dflash", "state_dir": "/var/lib/dflash/units/dflash-train",
         "environment": {"PYTHONPATH": "/opt/dflash/current", "A": "b c"},
     }  # fmt: skip
     assert systemd_run_args(spec) == [
         "systemd-run", "--unit=dflash-train.service", "--description=dflash job dflash-train",
         "-p", "Type=exec", "-p", "KillMode=mixed", "-p", "TimeoutStopSec=120s",
         "-p", "StandardOutput=append:/var/log/dflash/j.log", "-p", "StandardError=append:/var/log/dflash/j.log",
+        "-p", "ExecStopPost=+/bin/sh -c 'echo $EXIT_CODE $EXIT_STATUS > /var/lib/dflash/units/dflash-train/exit_status'",
         "-p", "EnvironmentFile=/etc/dflash/j.env", "-p", "WorkingDirectory=/var/lib/dflash/runs/j", "-p", "User=dflash",
         "--setenv=A=b c", "--setenv=PYTHONPATH=/opt/dflash/current",
         "--", "/v/bin/python", "-m", "dflash", "train", "/etc/dflash/c.yaml",
@@ -300,3 +301,21 @@ def test_systemd_restart_sequence_in_order(tmp_path, fake_host):
     stop_at, start_at = verbs.index("stop"), verbs.index("systemd-run")
     assert stop_at < verbs.index("reset-failed") < start_at
     assert result["active_state"] == "active" and result["main_pid"] == 77
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0\n", 0), ("2", 2), ("exited 3\n", 3), ("killed TERM\n", 143), ("killed KILL", 137), ("dumped SEGV", 139),
+     ("killed 9", 137), ("killed BOGUS", None), ("", None), ("garbage here", None)],
+)  # fmt: skip
+def test_exit_status_files_of_both_backends(text, expected):
+    from ansible.module_utils.dflash_unit import parse_exit_status
+
+    assert parse_exit_status(text) == expected
+
+
+def test_systemd_state_dir_must_be_safe_for_the_command_line(tmp_path, fake_host):
+    from ansible.module_utils.dflash_unit import SystemdBackend
+
+    with pytest.raises(UnitError, match="must not contain spaces"):
+        SystemdBackend(fake_host()).start({**_systemd_spec(tmp_path), "state_dir": str(tmp_path / "a b")})
