@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from datetime import timedelta
 
 import torch
@@ -28,20 +29,28 @@ FAULT_ENV = "DFLASH_FAULT_INJECT"
 
 
 class InjectedFault(RuntimeError):
-    """Raised by the test hook DFLASH_FAULT_INJECT=RANK:STEP: global rank RANK fails when it starts the step
-    after STEP completed ones (a target rank: when it starts producing that step's micro-batches)."""
+    """Raised by the test hook DFLASH_FAULT_INJECT=RANK:STEP[:hang]: global rank RANK fails (or hangs) when it
+    starts the step after STEP completed ones (a target rank: when it starts producing that step's items)."""
 
 
 def check_fault(rank: int, step: int) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
+    parts = spec.split(":")
     try:
-        want_rank, want_step = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise BadInput(f"{FAULT_ENV}={spec!r}: expected RANK:STEP, e.g. 1:5") from None
-    if rank == want_rank and step == want_step:
-        raise InjectedFault(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} after {step} steps")
+        want_rank, want_step = int(parts[0]), int(parts[1])
+        kind = parts[2] if len(parts) > 2 else "raise"
+        assert kind in ("raise", "hang") and len(parts) <= 3
+    except (ValueError, IndexError, AssertionError):
+        raise BadInput(f"{FAULT_ENV}={spec!r}: expected RANK:STEP or RANK:STEP:hang, e.g. 1:5") from None
+    if rank != want_rank or step != want_step:
+        return
+    if kind == "hang":  # a silent hang: the peers must time out (topology.timeout_s), not wait forever
+        print(f"rank {rank}: hanging after {step} steps ({FAULT_ENV}={spec})", flush=True)
+        while True:
+            time.sleep(3600)
+    raise InjectedFault(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} after {step} steps")
 
 
 class DataParallelTrainer(Trainer):

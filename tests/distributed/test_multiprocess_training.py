@@ -167,3 +167,17 @@ def test_sigterm_checkpoints_every_rank_then_resume_continues_the_trajectory(ref
     for name, value in reference["weights"].items():
         assert torch.allclose(weights[name], value, atol=1e-5, rtol=1e-4), name
 
+
+
+@pytest.mark.slow
+def test_a_hanging_rank_is_timed_out_not_waited_for(tmp_path):
+    """Rank 1 stops answering: rank 0's all-reduce times out (topology.timeout_s), the job fails, and torchrun
+    kills the hung rank after its grace; bounded by timeout_s + 30 s + start-up."""
+    out = tmp_path / "run"
+    topology = {**COLOCATED, "timeout_s": 10}
+    rc, log, elapsed = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml"), fault="1:4:hang"), 150)
+    assert rc == 1, log[-4000:]
+    assert "rank 1: hanging after 4 steps" in log
+    assert "Timed out waiting 10000ms" in log.split("Root Cause (first observed failure):", 1)[1]
+    assert CheckpointManager(out / "checkpoints").latest_valid().name == "step-00000003"
+    print(f"hung job ended after {elapsed:.0f}s")
