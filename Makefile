@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dflash tests bench
+	$(VENV)/bin/ruff check dflash tests bench library module_utils
 
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q
