@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -13,27 +12,13 @@ from typing import Any
 import torch
 
 from dflash.errors import BadInput
+from dflash.fileio import fsync_path as _fsync_path
+from dflash.fileio import sha256_file as _sha256
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def ensure_writable(directory: str | os.PathLike) -> Path:

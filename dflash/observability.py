@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash.fileio import temp_sibling
+
 
 def atomic_write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_sibling(path)
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
 

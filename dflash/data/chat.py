@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dflash.errors import DataError
+from dflash.fileio import sha256_file, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +131,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tokenize_conversations(tokenizer, conversations, max_length: int, min_loss_tokens: int,
                            source: str) -> TokenizedSet:
     out = TokenizedSet(samples=[], source=source)
@@ -157,7 +150,7 @@ def load_tokenized(path: str | os.PathLike, tokenizer, max_length: int, min_loss
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist; check data.train_path / data.eval_path")
-    key = hashlib.sha256(json.dumps([CACHE_FORMAT, _file_digest(path), tokenizer_fingerprint(tokenizer),
+    key = hashlib.sha256(json.dumps([CACHE_FORMAT, sha256_file(path), tokenizer_fingerprint(tokenizer),
                                      max_length, min_loss_tokens]).encode()).hexdigest()[:24]
     cache_file = Path(cache_dir) / f"{path.stem}-{key}.pt" if cache_dir else None
     if cache_file is not None and cache_file.is_file():
@@ -189,6 +182,6 @@ def _write_cache(cache_file: Path, data: TokenizedSet) -> None:
         "dropped": data.dropped_few_loss_tokens,
         "truncated": data.truncated,
     }
-    tmp = cache_file.with_name(f".{cache_file.name}.tmp-{os.getpid()}")
+    tmp = temp_sibling(cache_file)
     torch.save(blob, tmp)
     os.replace(tmp, cache_file)

@@ -11,6 +11,8 @@ import os
 import random
 from pathlib import Path
 
+from dflash.fileio import temp_sibling
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
@@ -60,7 +62,7 @@ def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
     """Atomic: a reader never sees a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_sibling(path)
     with open(tmp, "w") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
