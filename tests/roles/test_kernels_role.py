@@ -97,6 +97,7 @@ def run_role(tmp_path: Path, venv: Path, cache: Path, **extra) -> subprocess.Com
         "dflash_kernels_gpus": [0, 1],
         "dflash_kernels_venv_path": str(venv),
         "dflash_kernels_cache_dir": str(cache),
+        "dflash_kernels_doctor_code_dir": str(tmp_path / "no-code-yet"),
         **extra,
     }
     env = {
@@ -132,6 +133,7 @@ def test_cached_wheel_is_installed_then_nothing_changes(tmp_path, scratch_venv):
     assert installed(scratch_venv)
     assert (scratch_venv / ".dflash-causal-conv1d-key").read_text().strip() == KEY
     assert "Build the wheel" in first.stdout and not (cache / f"{KEY}.partial").exists()
+    assert "fast-path check deferred" in first.stdout
 
     second = run_role(tmp_path, scratch_venv, cache)
     assert second.returncode == 0, second.stdout + second.stderr
@@ -154,3 +156,20 @@ def test_no_gpus_skips_with_a_message(tmp_path, scratch_venv):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "kernels: skipped on localhost: the job uses no GPUs" in result.stdout
     assert recap_changed(result.stdout) == 0
+
+
+def test_slow_path_fails_the_role_with_the_doctors_message(tmp_path, scratch_venv):
+    cache = tmp_path / "cache"
+    make_wheel(cache / KEY)
+    code = tmp_path / "release"
+    (code / "dflash").mkdir(parents=True)
+    (code / "dflash" / "__init__.py").write_text("")
+    # A stand-in for `dflash doctor` on a node whose kernels fall back to PyTorch.
+    (code / "dflash" / "__main__.py").write_text(
+        "import sys\n"
+        "assert sys.argv[1:] == ['doctor', '--require-fast-path'], sys.argv\n"
+        "sys.exit('dflash: error: the hybrid-target fast path is not available')\n"
+    )
+    result = run_role(tmp_path, scratch_venv, cache, dflash_kernels_doctor_code_dir=str(code))
+    assert result.returncode != 0
+    assert "the hybrid-target fast path is not available" in result.stdout
