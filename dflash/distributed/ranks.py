@@ -111,6 +111,10 @@ class DrafterRankTrainer(DataParallelTrainer):
 
     consumer: FeatureConsumer
 
+    def use_frozen_head(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        self._embed = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self._lm_head = lm_head_weight
+
     def next_input(self):
         epoch, batch, features = self.consumer.receive()
         # the local sampler tracks the data position for checkpoints (target ranks resume from it)
@@ -191,8 +195,7 @@ def run_disaggregated(config: RunConfig, plan: RankPlan, rank: int, device: torc
     _broadcast_object({"step": trainer.step, "total_steps": trainer.total_steps,
                        "sampler": trainer.sampler.state_dict()}, plan.reporter)
     embed, head = share_frozen_head(None, head_group, plan.target_ranks[0], rank, device, dtype)
-    trainer._embed = nn.Embedding.from_pretrained(embed, freeze=True)
-    trainer._lm_head = head
+    trainer.use_frozen_head(embed, head)
     layout = TransferLayout.for_config(config.data.token_budget, config.data.bucket_size, config.data.max_length,
                                        len(trainer.layer_ids) * embed.shape[1], dtype)
     accum = config.optim.grad_accum

@@ -5,7 +5,7 @@
 * a rank that raises ends the job non-zero, torchrun's summary names the rank and its error, and the last
   checkpoint is intact;
 * SIGTERM stops every rank at one step boundary with a checkpoint, and the resumed run continues the
-  uninterrupted trajectory.
+  uninterrupted trajectory (here with 2 target ranks feeding 1 drafter rank with grad_accum=2).
 """
 
 import json
@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 COLOCATED = {"mode": "colocated", "nproc": 2, "timeout_s": 60}
 DISAGGREGATED = {"mode": "disaggregated", "target_gpus": [0], "drafter_gpus": [1, 2], "timeout_s": 60}
+# two producers feeding one drafter rank that accumulates 2 micro-batches: the same global batch again
+TWO_PRODUCERS = {"mode": "disaggregated", "target_gpus": [0, 1], "drafter_gpus": [2], "timeout_s": 60,
+                 "max_inflight": 1}
 
 
 def tiny(output_dir: Path, topology: dict | None = None, **optim) -> dict:
@@ -135,7 +138,7 @@ def test_a_crashing_rank_ends_the_job_and_names_itself(topology, fault, tmp_path
 
 def test_sigterm_checkpoints_every_rank_then_resume_continues_the_trajectory(reference, tmp_path):
     out = tmp_path / "run"
-    config = write(tiny(out, DISAGGREGATED), tmp_path / "run.yaml")
+    config = write(tiny(out, TWO_PRODUCERS, grad_accum=2), tmp_path / "run.yaml")
     proc = spawn(config)
     heartbeat = out / "heartbeat.json"
     deadline = time.monotonic() + 120
