@@ -184,3 +184,30 @@ def test_a_hanging_rank_is_timed_out_not_waited_for(tmp_path):
     assert "Timed out waiting 10000ms" in log.split("Root Cause (first observed failure):", 1)[1]
     assert CheckpointManager(out / "checkpoints").latest_valid().name == "step-00000003"
     print(f"hung job ended after {elapsed:.0f}s")
+
+
+@pytest.mark.slow
+def test_two_nodes_by_static_rendezvous_follow_the_same_trajectory(reference, tmp_path):
+    """Two `dflash train` units (one per "node", here both on localhost) with rendezvous from the environment:
+    together the 2-rank colocated job, on the single-process trajectory."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    config = write(tiny(out, {**COLOCATED, "nproc": 1}), tmp_path / "run.yaml")
+    procs = []
+    for node in (1, 0):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dflash", "train", str(config)], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}, "PYTHONUNBUFFERED": "1",
+                 "DFLASH_NNODES": "2", "DFLASH_NODE_RANK": str(node), "DFLASH_MASTER_PORT": str(port)}))
+    results = [finish(p, 240) for p in procs]
+    for rc, log, _ in results:
+        assert rc == 0, log[-4000:]
+    assert "--nnodes 2 --node-rank 0 --master-addr 127.0.0.1" in results[1][1]
+    got, want = losses(out), reference["losses"]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
