@@ -43,12 +43,31 @@ def apply_rendezvous_env(config: RunConfig) -> None:
     validate_topology(config.topology)
 
 
+def under_torchrun() -> bool:
+    """True in a worker started by torchrun (ours or an external one)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class SignalLatch:
+    """Remembers a stop signal that arrives while a worker is still importing and loading; the rank's own
+    handler takes it over (`seen`) when it is installed, so an early SIGTERM stops the job cleanly."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, _signum, _frame) -> None:
+        self.seen = True
+
+
 def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> int:
+    apply_rendezvous_env(config)
+    if under_torchrun():
+        latch = SignalLatch()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, latch)
+        return _run_worker(config)
     from dflash import distributed
 
-    apply_rendezvous_env(config)
-    if distributed.under_torchrun():
-        return _run_worker(config)
     plan = distributed.plan_ranks(config.topology)
     if plan.world_size == 1:
         from dflash.train import train
@@ -120,27 +139,40 @@ def _worker_pids(parent: int) -> list[int]:
     return pids
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` installed (from /proc/PID/status, SigCgt)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], plan) -> int:
     cmd = torchrun_command(config, config_path, overrides, plan.nproc_per_node)
     grace = config.topology.timeout_s  # after SIGTERM: time for the ranks to agree, checkpoint and exit
-    stopping: dict[str, float] = {}
+    stop: dict = {}  # signum, at, signalled (worker pids already told)
 
-    def forward(signum, _frame):
-        if "at" in stopping:
-            return
-        stopping["at"] = time.monotonic()
-        workers = _worker_pids(proc.pid) if proc is not None else []
-        print(f"dflash: signal {signum}: asking {len(workers)} rank(s) to checkpoint and stop "
-              f"(bounded by topology.timeout_s={grace}s)", file=sys.stderr, flush=True)
-        # straight to the workers: they stop together at a step boundary and exit 0, so torchrun exits 0
-        for pid in workers or ([proc.pid] if proc is not None else []):
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+    def note(signum, _frame):
+        if not stop:
+            stop.update(signum=signum, at=time.monotonic(), signalled=set())
+            print(f"dflash: signal {signum}: asking the ranks to checkpoint and stop (bounded by "
+                  f"topology.timeout_s={grace}s)", file=sys.stderr, flush=True)
 
-    proc = None
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    def tell_workers() -> None:
+        # straight to the workers, not torchrun: they stop together at a step boundary and exit 0, so
+        # torchrun exits 0; a worker is told once its handler is installed (before that the signal kills it)
+        for pid in _worker_pids(proc.pid):
+            if pid not in stop["signalled"] and _catches(pid, stop["signum"]):
+                try:
+                    os.kill(pid, stop["signum"])
+                except ProcessLookupError:
+                    pass
+                stop["signalled"].add(pid)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         print(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}",
               flush=True)
@@ -150,21 +182,23 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
         escalated = 0
         while True:
             try:
-                rc = proc.wait(timeout=1.0)
+                rc = proc.wait(timeout=0.2 if stop else 1.0)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if "at" in stopping:
-                waited = time.monotonic() - stopping["at"]
-                if escalated == 0 and waited > grace:
-                    print("dflash: ranks did not stop in time; terminating torchrun", file=sys.stderr, flush=True)
-                    proc.terminate()  # torchrun SIGKILLs its workers after WORKER_SHUTDOWN_S
-                    escalated = 1
-                elif escalated == 1 and waited > grace + WORKER_SHUTDOWN_S + 15:
-                    for pid in _worker_pids(proc.pid):
-                        _kill(pid)
-                    proc.kill()
-                    escalated = 2
+            if not stop:
+                continue
+            tell_workers()
+            waited = time.monotonic() - stop["at"]
+            if escalated == 0 and waited > grace:
+                print("dflash: ranks did not stop in time; terminating torchrun", file=sys.stderr, flush=True)
+                proc.terminate()  # torchrun SIGKILLs its workers after WORKER_SHUTDOWN_S
+                escalated = 1
+            elif escalated == 1 and waited > grace + WORKER_SHUTDOWN_S + 15:
+                for pid in _worker_pids(proc.pid):
+                    _kill(pid)
+                proc.kill()
+                escalated = 2
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -25,14 +26,40 @@ from dflash.distributed.topology import (
 )
 from dflash.errors import BadInput
 
+PEER_FAILURE_DELAY_S = 2.0
 
-def under_torchrun() -> bool:
-    """True in a worker started by torchrun (ours or an external one)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+class PeerFailure(RuntimeError):
+    """This rank failed because another rank died or stopped answering (its own error is secondary)."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                                      "gloo/transport"))
 
 
 @record  # writes the traceback to TORCHELASTIC_ERROR_FILE: torchrun's summary names this rank and its error
 def run_rank(config: RunConfig) -> dict | None:
+    """Run this torchrun worker's rank.
+
+    torchrun names as root cause the failure with the earliest error-file timestamp, in whole seconds. A rank
+    that fails only because a peer failed waits PEER_FAILURE_DELAY_S first, so the summary names the rank
+    that failed first, not its victims (a timed-out rank is still named when the culprit hangs silently).
+    """
+    try:
+        return _run_rank(config)
+    except Exception as exc:
+        if not is_peer_failure(exc):
+            raise
+        time.sleep(PEER_FAILURE_DELAY_S)
+        raise PeerFailure(f"rank {os.environ.get('RANK')} lost a peer (see the root cause): {exc}") from exc
+
+
+def _run_rank(config: RunConfig) -> dict | None:
     import torch
     import torch.distributed as dist
 
@@ -73,4 +100,4 @@ def run_rank(config: RunConfig) -> dict | None:
     return result if rank == plan.reporter else None
 
 
-__all__ = ["RankPlan", "plan_ranks", "run_rank", "under_torchrun", "check_devices"]
+__all__ = ["RankPlan", "plan_ranks", "run_rank", "check_devices"]

@@ -81,8 +81,9 @@ class DataParallelTrainer(Trainer):
                 print(f"received signal {signum}: all ranks stop and checkpoint after the current step", flush=True)
             self.signal_seen = True
 
-        signal.signal(signal.SIGTERM, mark)
-        signal.signal(signal.SIGINT, mark)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.signal(signum, mark)
+            self.signal_seen = self.signal_seen or getattr(previous, "seen", False)  # launch.SignalLatch
 
     def train_step(self):
         check_fault(self.global_rank, self.step)
