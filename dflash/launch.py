@@ -59,25 +59,34 @@ class SignalLatch:
         self.seen = True
 
 
+def _latch_signals() -> SignalLatch:
+    latch = SignalLatch()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, latch)
+    return latch
+
+
 def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> int:
     apply_rendezvous_env(config)
     if under_torchrun():
-        latch = SignalLatch()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, latch)
+        _latch_signals()  # until the rank's own handler takes over
         return _run_worker(config)
-    from dflash import distributed
+    from dflash.distributed.topology import plan_ranks
 
-    plan = distributed.plan_ranks(config.topology)
+    plan = plan_ranks(config.topology)
     if plan.world_size == 1:
         from dflash.train import train
 
         _print_done(train(config))
         return 0
+    latch = _latch_signals()  # a stop while this process starts up: start nothing
     from dflash.distributed.topology import check_devices, check_target_fits
 
     check_devices(config, plan)  # exit 2 before any process starts
     check_target_fits(config, plan)
+    if latch.seen:
+        print("dflash: stopped by a signal before the ranks were started", flush=True)
+        return 0
     return launch_torchrun(config, config_path, overrides, plan)
 
 
@@ -173,6 +182,8 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
                 stop["signalled"].add(pid)
 
     previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+    if any(getattr(h, "seen", False) for h in previous.values()):  # a SignalLatch saw one meanwhile
+        note(signal.SIGTERM, None)
     try:
         print(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}",
               flush=True)

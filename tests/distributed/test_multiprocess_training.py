@@ -211,3 +211,19 @@ def test_two_nodes_by_static_rendezvous_follow_the_same_trajectory(reference, tm
     got, want = losses(out), reference["losses"]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+
+
+@pytest.mark.slow
+def test_sigterm_before_the_ranks_run_stops_cleanly_after_one_step(tmp_path):
+    """SIGTERM while the workers are still starting: each is told once its handler is in place; the ranks
+    load, agree after one step, checkpoint it and exit 0."""
+    out = tmp_path / "run"
+    proc = spawn(write(tiny(out, COLOCATED), tmp_path / "run.yaml"))
+    for line in proc.stdout:
+        if line.startswith("dflash: starting"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    rc, log, _ = finish(proc, 120)
+    assert rc == 0, log[-4000:]
+    assert "done: step 1 (stopped by signal, checkpoint saved)" in log
+    assert CheckpointManager(out / "checkpoints").latest_valid().name == "step-00000001"
