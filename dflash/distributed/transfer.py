@@ -206,7 +206,8 @@ class FeatureProducer:
         return value
 
     def mine(self):
-        """(drafter index, item n) of this rank's items, in global order."""
+        """(drafter index, item n, produced here?) for every item in global order: the caller advances each
+        drafter rank's data position on every item and produces only its own."""
         s = self.schedule
         for n in range(s.num_items):
             for d in range(len(s.drafter_ranks)):
