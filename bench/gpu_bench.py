@@ -296,7 +296,7 @@ def sec_e2e(args):
                 _, res = tr.train_step()
                 tokens += res.tokens
                 blocks += int(res.stats.num_blocks)
-                flops += tr.last_flops.training
+                flops += tr.step_flops
             sync()
             wall = time.perf_counter() - t0
             # the parts, timed separately on one batch: target features alone, drafter step alone

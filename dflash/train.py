@@ -348,6 +348,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         totals = torch.zeros(2, dtype=torch.float64)
         stats, tokens = None, 0
+        self.step_flops = 0.0
         for k in range(accum):
             epoch, batch, feats = self.next_input()
             # micro-batch k of rank r is item k*world_size + r of the global batch: its anchors do not depend
@@ -355,6 +356,7 @@ class Trainer:
             generator = step_generator(c.seed, self.step, k * self.world_size + self.rank)
             with self.grad_sync(k == accum - 1):
                 loss, st = self.drafter_loss(feats, batch, generator, self.ddp_model)
+                self.step_flops += self.last_flops.training
                 weight = self.loss_weight(st)
                 (loss * weight).backward()
             totals += torch.tensor([float(loss.detach()) * weight, weight], dtype=torch.float64)
@@ -411,7 +413,7 @@ class Trainer:
             window["loss"] += res.loss
             window["n"] += 1
             window["tokens"] += res.tokens
-            window["flops"] = window.get("flops", 0.0) + self.last_flops.training
+            window["flops"] = window.get("flops", 0.0) + self.step_flops
             window["stats"] = res.stats if window["stats"] is None else window["stats"] + res.stats
             if not math.isfinite(res.loss):
                 raise RuntimeError(f"loss is {res.loss} at step {self.step}; lower optim.lr or check the data")
@@ -470,6 +472,9 @@ def train(config: RunConfig) -> dict[str, Any]:
     except BaseException:
         trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed")
         raise
+    finally:
+        # the work is done (or failed): a late stop signal must not kill the interpreter mid-shutdown
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 __all__ = ["Trainer", "train", "warn"]
