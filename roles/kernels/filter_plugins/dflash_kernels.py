@@ -11,6 +11,11 @@ def cuda_arch_list(capabilities: list) -> str:
     return ";".join(f"{major}.{minor}" for major, minor in archs)
 
 
+def sm_list(capabilities: list) -> str:
+    """[[9, 0], [8, 0]] -> '80,90' (the sm_NN numbers of the architectures present)."""
+    return ",".join(arch.replace(".", "") for arch in cuda_arch_list(capabilities).split(";"))
+
+
 def causal_conv1d_cache_key(probe: dict, version: str) -> str:
     """The directory name a built causal-conv1d wheel is cached under.
 
@@ -22,7 +27,7 @@ def causal_conv1d_cache_key(probe: dict, version: str) -> str:
         raise ValueError(f"torch {probe.get('torch')} is not a CUDA build: install a CUDA torch in the venv")
     if not probe.get("capabilities"):
         raise ValueError("no CUDA device is visible in the container: check the GPU passthrough")
-    archs = "-".join(f"sm{a.replace('.', '')}" for a in cuda_arch_list(probe["capabilities"]).split(";"))
+    archs = "-".join(f"sm{sm}" for sm in sm_list(probe["capabilities"]).split(","))
     torch_version = re.sub(r"[^A-Za-z0-9.+]", "_", str(probe["torch"]))
     return f"causal_conv1d-{version}_torch-{torch_version}_cuda-{probe['cuda']}_{archs}"
 
@@ -32,4 +37,5 @@ class FilterModule:
         return {
             "dflash_kernels_cache_key": causal_conv1d_cache_key,
             "dflash_kernels_arch_list": cuda_arch_list,
+            "dflash_kernels_sm_list": sm_list,
         }
