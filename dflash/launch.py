@@ -106,6 +106,9 @@ def _run_worker(config: RunConfig) -> int:
         _hard_exit(1)
     if result is not None:
         _print_done(result)
+    # Success exits hard too: every file is written and synced by now, and a normal interpreter teardown
+    # of a torch.distributed worker can abort in C++ ("terminate called without an active exception").
+    _hard_exit(0)
     return 0
 
 
