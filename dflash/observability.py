@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +76,3 @@ class RunObserver:
         if self._tb is not None:
             self._tb.close()
 
-
-def warn(message: str) -> None:
-    print(f"dflash: warning: {message}", file=sys.stderr, flush=True)

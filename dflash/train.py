@@ -29,7 +29,7 @@ from dflash.loss import BlockStats, build_blocks, position_weights, sample_ancho
 from dflash.models.attention import compiled_flex_attention, resolve_kind
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model, num_layers_of
-from dflash.observability import RunObserver, warn
+from dflash.observability import RunObserver
 
 log = logging.getLogger(__name__)
 
@@ -477,4 +477,4 @@ def train(config: RunConfig) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-__all__ = ["Trainer", "train", "warn"]
+__all__ = ["Trainer", "train"]

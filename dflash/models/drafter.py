@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +271,3 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
         num_target_layers=tc.num_hidden_layers,
     )
 
-
-def arch_summary(arch: DrafterArch) -> dict[str, Any]:
-    return asdict(arch)
