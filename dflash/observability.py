@@ -51,12 +51,14 @@ class RunObserver:
                 f"mem {record.get('mem_gib', 0.0):.2f}GiB")
         if record.get("mfu") is not None:
             line += f" mfu {record['mfu']:.1%}"
+        if record.get("input_frac") is not None:
+            line += f" input {record['input_frac']:.0%}"
         print(line, flush=True)
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps({**record, "time": time.time()}) + "\n")
         if self._tb is not None:
             step = record["step"]
-            for key in ("loss", "tau", "tokens_per_s", "lr", "mem_gib", "mfu"):
+            for key in ("loss", "tau", "tokens_per_s", "lr", "mem_gib", "mfu", "input_frac"):
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
             for k, a in enumerate(acc):

@@ -120,6 +120,7 @@ class Trainer:
         self._device = device  # set by dflash.distributed (the rank's GPU); else runtime.device
         self.is_reporter = is_reporter
         self.step = 0
+        self.input_seconds = 0.0  # time in next_input() since the last report window
         self.stop_requested = False
         self.ddp_model = None  # set by dflash.distributed for data-parallel drafter ranks
 
@@ -294,9 +295,13 @@ class Trainer:
         embed = self.embed_tokens()
         self.last_flops = drafter_step_flops(self.drafter.arch, int(batch.lengths.sum()), anchors, valid,
                                              int(blocks.label_valid.sum()))
+        head = self.lm_head_weight()
+        if self.device.type != "cuda":  # no autocast off CUDA: a bf16 target's tensors meet fp32 drafter weights
+            dtype = next(self.drafter.parameters()).dtype
+            features, head = features.to(dtype), head.to(dtype)
         with self.autocast():
             hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self._flex)
-            loss, correct = weighted_block_loss(hidden, self.lm_head_weight(), blocks, self.gamma, c.loss_chunk_size)
+            loss, correct = weighted_block_loss(hidden, head, blocks, self.gamma, c.loss_chunk_size)
         return loss, BlockStats.of(correct, blocks)
 
     def embed_tokens(self):
@@ -350,7 +355,11 @@ class Trainer:
         stats, tokens = None, 0
         self.step_flops = 0.0
         for k in range(accum):
+            t_in = time.perf_counter()
             epoch, batch, feats = self.next_input()
+            if self.device.type == "cuda":  # the loss below syncs anyway; this makes the input time real
+                torch.cuda.synchronize(self.device)
+            self.input_seconds += time.perf_counter() - t_in
             # micro-batch k of rank r is item k*world_size + r of the global batch: its anchors do not depend
             # on how the global batch is split
             generator = step_generator(c.seed, self.step, k * self.world_size + self.rank)
@@ -414,6 +423,8 @@ class Trainer:
             window["n"] += 1
             window["tokens"] += res.tokens
             window["flops"] = window.get("flops", 0.0) + self.step_flops
+            window["input_s"] = window.get("input_s", 0.0) + self.input_seconds
+            self.input_seconds = 0.0
             window["stats"] = res.stats if window["stats"] is None else window["stats"] + res.stats
             if not math.isfinite(res.loss):
                 raise RuntimeError(f"loss is {res.loss} at step {self.step}; lower optim.lr or check the data")
@@ -451,6 +462,9 @@ class Trainer:
         peak = peak_flops(self.device, self.config.runtime.peak_tflops)
         if peak:
             record["mfu"] = window.get("flops", 0.0) / elapsed / peak
+        # share of the wall time this rank spent obtaining inputs: the target forward (colocated) or waiting
+        # for a target rank's transfer (disaggregated drafter rank)
+        record["input_frac"] = min(window.get("input_s", 0.0) / elapsed, 1.0)
         self.observer.log(record)
         self.observer.heartbeat(self.step, epoch, "training", loss=record["loss"], tau=record["tau"],
                                 tokens_per_s=record["tokens_per_s"])
