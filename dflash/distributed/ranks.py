@@ -240,11 +240,14 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
         epoch, blen, idx = samplers[d].next()
         if not mine:
             continue
-        if not producer.wants(d, n):
+        if producer.stopped:
             break
         check_fault(rank, info["step"] + n // accum)
         batch = collate(trainer.train_set.samples, idx, blen, pad).to(device)
-        producer.send(d, n, epoch, batch, trainer.features(batch))
+        features = trainer.features(batch)  # computed before the credit arrives: the target works ahead
+        if not producer.wants(d, n):
+            break
+        producer.send(d, n, epoch, batch, features)
     producer.finish()
     print(f"{plan.describe(rank)}: sent {producer.sent} micro-batches", flush=True)
     return None
