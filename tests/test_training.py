@@ -124,3 +124,18 @@ def test_export_cli_writes_serving_layout(tiny_config, tmp_path, capsys):
     assert main(["export", tiny_config.output_dir, str(out)]) == 2  # refuses to overwrite
     assert "not empty" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+
+
+def test_bf16_target_trains_on_cpu_and_metrics_report_input_share(tiny_config, tmp_path):
+    """A bf16 target on CPU (no autocast there) meets the fp32 drafter; each metrics record says how much of
+    the window went to obtaining inputs (here: the target forward), a fraction in (0, 1)."""
+    cfg = tiny_config
+    cfg.output_dir = str(tmp_path / "bf16")
+    cfg.target.dtype = "bfloat16"
+    cfg.optim.max_steps = 4
+    trainer = Trainer(cfg).setup()
+    assert next(trainer.target.model.parameters()).dtype == torch.bfloat16
+    result = trainer.run()
+    assert result["step"] == 4 and result["loss"] == result["loss"]  # finite, not NaN
+    records = [json.loads(x) for x in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(0.0 < r["input_frac"] < 1.0 for r in records)

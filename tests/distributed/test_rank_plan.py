@@ -159,3 +159,18 @@ def test_external_torchrun_with_wrong_process_count_is_bad_input(tiny_dict, monk
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     with pytest.raises(BadInput, match="torchrun started 3 processes"):
         run_rank(cfg)
+
+
+def test_transfer_size_of_the_8b_topology_config_is_the_documented_one():
+    """bench/p2p_bench.py sizes its messages like the trainer; docs/PERFORMANCE.md quotes this figure."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("p2p_bench", root / "bench" / "p2p_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    layout = bench.layout_for(str(root / "tests/distributed/configs/gpu-8b.yaml"), None)
+    # 12288 tokens x 5 tapped layers x 4096 hidden in bf16, plus tokens and meta (24 rows max)
+    assert (layout.max_rows, layout.max_tokens, layout.feature_dim) == (24, 12288, 5 * 4096)
+    assert layout.bytes_per_item() == 12288 * 20480 * 2 + 8 * (4 + 24 + 2 * 12288) == 503_513_312
