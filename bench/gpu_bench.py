@@ -205,25 +205,27 @@ def sec_drafter(args):
            "flops_per_step": flops.training, "flops_detail": flops.__dict__, "variants": {}}
     full_logits_gib = blocks.label_valid.numel() * arch.vocab_size * 4 / 2**30
     out["full_vocab_logits_fp32_gib"] = full_logits_gib
-    variants = [("sdpa-dense", "sdpa", False), ("flex", "flex", False), ("flex+compile", "flex", True)]
+    # (name, attention, torch.compile of the drafter, loss implementation)
+    variants = [("sdpa-dense", "sdpa", False, "checkpoint"), ("flex", "flex", False, "checkpoint"),
+                ("flex+compile", "flex", True, "checkpoint"), ("flex+compile+fusedce", "flex", True, "fused")]
     if dev.type != "cuda":
-        variants = [("sdpa-dense", "sdpa", False)]
+        variants = [("sdpa-dense", "sdpa", False, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", False, "fused")]
     grads = {}
     initial = {k: v.clone() for k, v in drafter.state_dict().items()}
     wanted = [v for v in variants if v[0] in args.drafter_variants.split(",")]
-    for name, kind, compile_model in wanted:  # gradients of every variant at the same weights first
+    for name, kind, compile_model, impl in wanted:  # gradients of every variant at the same weights first
         drafter.load_state_dict(initial)
         drafter.zero_grad(set_to_none=True)
         fwd = torch.compile(drafter.forward) if compile_model else drafter.forward
         flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
-            loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096)
+            loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096, impl)
         loss.backward()
         grads[name] = torch.cat([p.grad.flatten().float() for p in drafter.parameters()])
         out["variants"][name] = {"loss_at_init": float(loss.detach())}
     drafter.load_state_dict(initial)
-    for name, kind, compile_model in wanted if args.drafter_timing else []:
+    for name, kind, compile_model, impl in wanted if args.drafter_timing else []:
         try:
             fwd = torch.compile(drafter.forward) if compile_model else drafter.forward
             flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
@@ -232,7 +234,7 @@ def sec_drafter(args):
                 opt.zero_grad(set_to_none=True)
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                     hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
-                    loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096)
+                    loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096, impl)
                 loss.backward()
                 return loss
 
@@ -419,7 +421,7 @@ def main() -> int:
     p.add_argument("--hybrid-batch", type=int, default=2)
     p.add_argument("--budgets", default="3072,6144,12288,24576")
     p.add_argument("--e2e-steps", type=int, default=12)
-    p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile")
+    p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile,flex+compile+fusedce,sdpa-dense+fusedce")
     p.add_argument("--no-drafter-timing", dest="drafter_timing", action="store_false")
     args = p.parse_args()
     OUT = Path(args.out)

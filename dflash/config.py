@@ -44,6 +44,7 @@ class DrafterConfig:
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     compile: bool = False
     loss_chunk_size: int = 4096  # rows of LM-head logits materialised at a time
+    loss_impl: Literal["checkpoint", "fused"] = "checkpoint"  # fused: row gradients in the forward, no recompute
     init_from: str | None = None  # a drafter directory (export layout) to start from
     intermediate_size: int | None = None  # default: the target's
     num_attention_heads: int | None = None  # default: the target's
@@ -114,6 +115,7 @@ class TopologyConfig:
     master_port: int = 29512
     timeout_s: int = 600  # collectives and transfers
     max_inflight: int = 2  # disaggregated backpressure: batches in flight per drafter rank
+    target_stages: int = 1  # disaggregated: target ranks that share one target by layers (a layer split)
 
 
 @dataclass
@@ -369,8 +371,11 @@ def validate_topology(top: TopologyConfig) -> None:
     _require(1 <= top.master_port <= 65535, f"topology.master_port {top.master_port} is not a TCP port")
     _require(top.timeout_s >= 1, f"topology.timeout_s must be >= 1 second (got {top.timeout_s})")
     _require(top.max_inflight >= 1, f"topology.max_inflight must be >= 1 (got {top.max_inflight})")
+    _require(top.target_stages >= 1, f"topology.target_stages must be >= 1 (got {top.target_stages})")
     if top.mode == "colocated":
         _require(top.nproc >= 1, "topology.nproc must be >= 1")
+        _require(top.target_stages == 1, "topology.target_stages splits the target over target ranks: it needs "
+                 "topology.mode=disaggregated")
         return
     tg, dg = top.target_gpus or [], top.drafter_gpus or []
     _require(bool(tg), "topology.target_gpus: list the GPU ids of the target ranks (disaggregated mode)")
@@ -378,6 +383,9 @@ def validate_topology(top: TopologyConfig) -> None:
     for name, ids in (("target_gpus", tg), ("drafter_gpus", dg)):
         _require(len(set(ids)) == len(ids), f"topology.{name} {ids} lists a GPU twice")
         _require(all(i >= 0 for i in ids), f"topology.{name} {ids}: GPU ids are >= 0")
+    _require(len(tg) % top.target_stages == 0,
+             f"topology.target_gpus {tg}: {len(tg)} target ranks cannot form replicas of "
+             f"topology.target_stages={top.target_stages} stages; list a multiple of {top.target_stages} GPUs")
     overlap = sorted(set(tg) & set(dg))
     _require(not overlap, f"topology: GPUs {overlap} are in both target_gpus and drafter_gpus; "
              "give each GPU one role")

@@ -301,7 +301,7 @@ class Trainer:
             features, head = features.to(dtype), head.to(dtype)
         with self.autocast():
             hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self._flex)
-            loss, correct = weighted_block_loss(hidden, head, blocks, self.gamma, c.loss_chunk_size)
+            loss, correct = weighted_block_loss(hidden, head, blocks, self.gamma, c.loss_chunk_size, c.loss_impl)
         return loss, BlockStats.of(correct, blocks)
 
     def embed_tokens(self):

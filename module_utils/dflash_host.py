@@ -116,7 +116,8 @@ def read_text(path, default=None):
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
             return handle.read()
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+        # ProcessLookupError: a /proc/PID file opened just before PID exited fails on read (ESRCH)
         return default
 
 

@@ -102,3 +102,51 @@ def test_tau_counts_leading_correct_predictions():
     assert stats.accuracy == pytest.approx([2 / 3, 3 / 3, 1 / 2, 2 / 2])
     merged = BlockStats.from_vector((stats + stats).to_vector())
     assert merged.tau == pytest.approx(stats.tau)
+
+
+def _random_blocks(b=2, t=40, m=6, bs=5, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    loss_mask = torch.rand(b, t, generator=g) > 0.3
+    lengths = torch.tensor([t, t - 9])
+    anchors, valid = sample_anchors(loss_mask, lengths, m, g)
+    return build_blocks(ids, loss_mask, lengths, anchors, valid, bs, MASK)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 4096])
+def test_fused_head_loss_matches_checkpointed_loss_and_gradients(chunk_size):
+    """The fused path computes the row gradients in its forward (no logits recompute); loss, accuracy and
+    gradients must equal the checkpointed chunked path's."""
+    torch.manual_seed(1)
+    blocks = _random_blocks()
+    hidden = torch.randn(2, 6, 5, 16)
+    head = torch.randn(50, 16)
+    results = {}
+    for impl in ("checkpoint", "fused"):
+        h = hidden.clone().requires_grad_(True)
+        loss, correct = weighted_block_loss(h, head, blocks, gamma=3.0, chunk_size=chunk_size, impl=impl)
+        (loss * 2.5).backward()  # a non-unit upstream gradient reaches the saved row gradients
+        results[impl] = (loss.detach(), correct, h.grad)
+    (la, ca, ga), (lb, cb, gb) = results["checkpoint"], results["fused"]
+    assert torch.allclose(la, lb, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ca, cb)
+    assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-7)
+    assert ga.abs().sum() > 0
+
+
+def test_fused_head_loss_without_grad_and_with_no_valid_rows():
+    blocks = _random_blocks()
+    hidden = torch.randn(2, 6, 5, 16)
+    head = torch.randn(50, 16)
+    with torch.no_grad():
+        a, _ = weighted_block_loss(hidden, head, blocks, 3.0, impl="fused")
+        b, _ = weighted_block_loss(hidden, head, blocks, 3.0, impl="checkpoint")
+    assert torch.allclose(a, b, atol=1e-6)
+    empty = _random_blocks()
+    empty.label_valid.zero_()
+    h = hidden.clone().requires_grad_(True)
+    loss, correct = weighted_block_loss(h, head, empty, 3.0, impl="fused")
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and not correct.any() and h.grad.abs().sum() == 0
+    with pytest.raises(ValueError, match="impl"):
+        weighted_block_loss(hidden, head, blocks, 3.0, impl="liger")

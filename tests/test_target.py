@@ -61,3 +61,52 @@ def test_hybrid_target_reports_slow_path_without_kernels():
 
     if importlib.util.find_spec("fla") is None:
         assert not report.fast and "SLOW" in report.describe()
+
+
+def _hybrid_spec():
+    from dflash.doctor import PROBE_HYBRID
+
+    return {**PROBE_HYBRID, "num_hidden_layers": 6, "layer_types": ["linear_attention"] * 3 + ["full_attention"]
+            + ["linear_attention", "full_attention"]}
+
+
+@pytest.mark.parametrize("spec,vocab", [(QWEN3, 50), (None, 256)], ids=["qwen3", "qwen3_next-hybrid"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_layer_split_stages_chain_to_the_unsplit_features(spec, vocab, stages):
+    """Stages of a layer-split target, each holding only its layers, chained hidden state -> inputs_embeds,
+    give the unsplit target's tapped features (padding included); later stages drop the embedding."""
+    from dflash.distributed.stages import TargetStage, stage_bounds
+
+    spec = dict(spec or _hybrid_spec())
+    taps = [1, 2, 4]
+    ids = torch.randint(0, vocab, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # a padded row
+    want = Target(build_hf_model(None, dict(spec), "float32", seed=3), taps).features(ids, mask)
+    bounds = stage_bounds(max(taps), stages)
+    assert bounds[0][0] == 0 and bounds[-1][1] == max(taps) + 1
+    assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(stages - 1))
+    hidden, collected = None, []
+    for s, (start, stop) in enumerate(bounds):
+        stage = TargetStage(build_hf_model(None, dict(spec), "float32", seed=3), taps, start, stop,
+                            keep_embedding=s == 0, keep_head=s == 0)
+        assert len(stage.backbone.layers) == stop - start
+        if s > 0:
+            with pytest.raises(RuntimeError, match="no embedding"):
+                stage.embed_tokens  # noqa: B018
+        hidden, got = stage(ids, mask, hidden)
+        collected += got
+    feats = torch.cat(collected, dim=-1)
+    assert feats.shape == want.shape
+    valid = mask.bool()
+    assert torch.allclose(feats[valid], want[valid], atol=1e-5)
+
+
+def test_stage_bounds_refuse_more_stages_than_layers():
+    from dflash.distributed.stages import stage_bounds
+    from dflash.errors import BadInput
+
+    assert stage_bounds(4, 2) == [(0, 2), (2, 5)]
+    assert stage_bounds(33, 3) == [(0, 11), (11, 22), (22, 34)]
+    with pytest.raises(BadInput, match="target_stages=6: the target runs 5 layers"):
+        stage_bounds(4, 6)

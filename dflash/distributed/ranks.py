@@ -189,6 +189,10 @@ def run_disaggregated(config: RunConfig, plan: RankPlan, rank: int, device: torc
     head_group = dist.new_group([plan.target_ranks[0], *plan.drafter_ranks], timeout=timeout)
     dtype = DTYPES[config.target.dtype]
     if plan.is_target(rank):
+        if plan.target_stages > 1:
+            from dflash.distributed.stages import run_target_stage
+
+            return run_target_stage(config, plan, rank, device, head_group, dtype, timeout)
         return run_target_rank(config, plan, rank, device, head_group, dtype, timeout)
     trainer = DrafterRankTrainer(config, plan, rank, device, drafter_group)
     trainer.install_signal_handlers()
@@ -200,12 +204,13 @@ def run_disaggregated(config: RunConfig, plan: RankPlan, rank: int, device: torc
     layout = TransferLayout.for_config(config.data.token_budget, config.data.bucket_size, config.data.max_length,
                                        len(trainer.layer_ids) * embed.shape[1], dtype)
     accum = config.optim.grad_accum
-    schedule = ItemSchedule(plan.target_ranks, plan.drafter_ranks, trainer.step * accum,
+    schedule = ItemSchedule(plan.producers, plan.drafter_ranks, trainer.step * accum,
                             (trainer.total_steps - trainer.step) * accum)
     trainer.consumer = FeatureConsumer(schedule, trainer.rank, layout, config.topology.max_inflight, device, timeout)
     trainer.wrap()
     if trainer.is_reporter:
-        trainer.observer.event(f"disaggregated: {len(plan.target_ranks)} target rank(s) feed "
+        staged = f" ({plan.target_stages} layer stages per target)" if plan.target_stages > 1 else ""
+        trainer.observer.event(f"disaggregated: {len(plan.target_ranks)} target rank(s){staged} feed "
                                f"{len(plan.drafter_ranks)} drafter rank(s); {layout.bytes_per_item() / 2**20:.1f} "
                                f"MiB per micro-batch transfer, {config.topology.max_inflight} in flight per drafter")
     return _run_reporting_failure(trainer, then=trainer.consumer.finish)
@@ -229,7 +234,7 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
         s.load_state_dict(info["sampler"])
         samplers.append(s)
     accum = c.optim.grad_accum
-    schedule = ItemSchedule(plan.target_ranks, plan.drafter_ranks, info["step"] * accum,
+    schedule = ItemSchedule(plan.producers, plan.drafter_ranks, info["step"] * accum,
                             (info["total_steps"] - info["step"]) * accum)
     layout = TransferLayout.for_config(c.data.token_budget, c.data.bucket_size, c.data.max_length,
                                        len(trainer.layer_ids) * trainer.target.hidden_size, dtype)

@@ -7,6 +7,7 @@ are target ranks and the rest drafter ranks.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ class RankPlan:
     target_ranks: tuple[int, ...]  # global ranks that run the target forward for others (disaggregated)
     drafter_ranks: tuple[int, ...]  # global ranks that train the drafter (data-parallel group)
     local_gpus: tuple[int, ...]  # GPU id of each local rank (the same on every node)
+    target_stages: int = 1  # target ranks that share one target replica by layers (stages.py)
 
     @property
     def world_size(self) -> int:
@@ -47,12 +49,29 @@ class RankPlan:
     def target_index(self, rank: int) -> int:
         return self.target_ranks.index(rank)
 
+    @property
+    def producers(self) -> tuple[int, ...]:
+        """Target ranks that send features to drafter ranks: the last stage of each replica."""
+        return self.target_ranks[self.target_stages - 1::self.target_stages]
+
+    def replica_of(self, rank: int) -> int:
+        return self.target_index(rank) // self.target_stages
+
+    def stage_of(self, rank: int) -> int:
+        return self.target_index(rank) % self.target_stages
+
+    def replica_ranks(self, replica: int) -> tuple[int, ...]:
+        s = self.target_stages
+        return self.target_ranks[replica * s:(replica + 1) * s]
+
     def gpu_of(self, rank: int) -> int:
         return self.local_gpus[rank % self.nproc_per_node]
 
     def describe(self, rank: int) -> str:
         if self.is_target(rank):
-            return f"target rank {self.target_index(rank)}/{len(self.target_ranks)}"
+            where = (f" (stage {self.stage_of(rank)}/{self.target_stages} of replica {self.replica_of(rank)})"
+                     if self.target_stages > 1 else "")
+            return f"target rank {self.target_index(rank)}/{len(self.target_ranks)}{where}"
         return f"drafter rank {self.drafter_index(rank)}/{len(self.drafter_ranks)}"
 
 
@@ -65,7 +84,7 @@ def plan_ranks(top: TopologyConfig) -> RankPlan:
     n = len(tg) + len(dg)
     targets = tuple(node * n + i for node in range(top.nnodes) for i in range(len(tg)))
     drafters = tuple(node * n + i for node in range(top.nnodes) for i in range(len(tg), n))
-    return RankPlan("disaggregated", top.nnodes, n, targets, drafters, tuple(tg + dg))
+    return RankPlan("disaggregated", top.nnodes, n, targets, drafters, tuple(tg + dg), top.target_stages)
 
 
 def uses_cuda(config: RunConfig) -> bool:
@@ -105,19 +124,28 @@ def check_devices(config: RunConfig, plan: RankPlan) -> None:
 
 
 def check_target_fits(config: RunConfig, plan: RankPlan) -> None:
-    """A target rank holds the whole target (layer split is not implemented): refuse one that cannot fit."""
+    """Each target rank holds the whole target, or 1/target_stages of it: refuse what cannot fit."""
     if not uses_cuda(config):
         return
     need = target_weight_bytes(config)
     if need is None:
         return
+    share = need / plan.target_stages  # layers are split evenly; the embedding makes stage 0 a bit larger
     holders = plan.local_gpus[:len(plan.target_ranks) // plan.nnodes] if plan.disaggregated else plan.local_gpus
     for gpu in holders:
         have = torch.cuda.get_device_properties(gpu).total_memory
-        if need > 0.9 * have:
-            raise BadInput(f"the target's weights need {need / 2**30:.1f} GiB but GPU {gpu} has "
-                           f"{have / 2**30:.1f} GiB; splitting one target across several target ranks is not "
-                           "implemented yet: use larger GPUs, target.dtype=bfloat16, or a smaller target")
+        if share > 0.9 * have:
+            stages = int(math.ceil(need / (0.8 * have)))
+            what = ("the target's weights" if plan.target_stages == 1
+                    else f"1/{plan.target_stages} of the target's weights")
+            raise BadInput(f"{what} need {_size(share)} but GPU {gpu} has {_size(have)}; split "
+                           f"the target by layers over more target ranks (topology.mode=disaggregated, "
+                           f"topology.target_stages={stages} with a multiple of {stages} target_gpus), use "
+                           "larger GPUs, or target.dtype=bfloat16")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def target_weight_bytes(config: RunConfig) -> int | None:

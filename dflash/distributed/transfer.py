@@ -118,6 +118,12 @@ class ItemSchedule:
     first_item: int  # items consumed per drafter rank before this run (start step x grad_accum)
     num_items: int  # items each drafter rank consumes in this run
 
+    def items(self):
+        """(drafter index, item n, producing rank) for every item, in the global order all ranks share."""
+        for n in range(self.num_items):
+            for d in range(len(self.drafter_ranks)):
+                yield d, n, self.producer(d, n)
+
     def producer(self, drafter_index: int, n: int) -> int:
         g = (self.first_item + n) * len(self.drafter_ranks) + drafter_index
         return self.target_ranks[g % len(self.target_ranks)]

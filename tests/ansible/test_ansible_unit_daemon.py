@@ -197,3 +197,17 @@ def test_a_recycled_process_group_is_never_signalled(daemon, tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_reading_the_proc_file_of_a_process_that_just_exited_gives_the_default(monkeypatch):
+    """/proc/PID/stat opened just before PID exits fails on read with ESRCH; stop() must treat it as gone."""
+    import builtins
+
+    from ansible.module_utils import dflash_host
+
+    child = subprocess.Popen(["sleep", "30"])
+    handle = open(f"/proc/{child.pid}/stat")  # noqa: SIM115 - held open across the exit on purpose
+    child.kill()
+    child.wait()
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: handle)
+    assert dflash_host.read_text(f"/proc/{child.pid}/stat", "gone") == "gone"

@@ -1,7 +1,7 @@
 """Real multi-process runs on CPU with gloo: `dflash train` starts torchrun itself.
 
-* a 2-rank colocated run and a 1-target + 2-drafter disaggregated run follow the loss trajectory of a
-  single-process run of the same global batch (grad_accum=2) step for step, and end with the same weights;
+* a 2-rank colocated run, a 1-target + 2-drafter disaggregated run and a target split by layers over 2
+  target ranks feeding 2 drafter ranks follow the loss trajectory of a single-process run of the same global batch (grad_accum=2) step for step, and end with the same weights;
 * a rank that raises ends the job non-zero, torchrun's summary names the rank and its error, and the last
   checkpoint is intact;
 * SIGTERM stops every rank at one step boundary with a checkpoint, and the resumed run continues the
@@ -34,6 +34,9 @@ DISAGGREGATED = {"mode": "disaggregated", "target_gpus": [0], "drafter_gpus": [1
 # two producers feeding one drafter rank that accumulates 2 micro-batches: the same global batch again
 TWO_PRODUCERS = {"mode": "disaggregated", "target_gpus": [0, 1], "drafter_gpus": [2], "timeout_s": 60,
                  "max_inflight": 1}
+# one target split by layers over 2 stages, feeding 2 drafter ranks: the same global batch once more
+TWO_STAGES = {"mode": "disaggregated", "target_gpus": [0, 1], "drafter_gpus": [2, 3], "timeout_s": 60,
+              "target_stages": 2}
 
 
 def tiny(output_dir: Path, topology: dict | None = None, **optim) -> dict:
@@ -95,7 +98,8 @@ def reference(tmp_path_factory):
     return {"losses": losses(out), "weights": final_weights(out)}
 
 
-@pytest.mark.parametrize("topology", [COLOCATED, DISAGGREGATED], ids=["colocated-2", "disaggregated-1t2d"])
+@pytest.mark.parametrize("topology", [COLOCATED, DISAGGREGATED, TWO_STAGES],
+                         ids=["colocated-2", "disaggregated-1t2d", "layer-split-2stages-2d"])
 def test_loss_trajectory_matches_single_process(topology, reference, tmp_path):
     out = tmp_path / "run"
     rc, log, _ = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml")), 240)
@@ -110,8 +114,12 @@ def test_loss_trajectory_matches_single_process(topology, reference, tmp_path):
         assert torch.allclose(weights[name], value, atol=1e-5, rtol=1e-4), name
     # only drafter rank 0 reports: one line per step in metrics.jsonl, one heartbeat
     assert json.loads((out / "heartbeat.json").read_text())["status"] == "finished"
-    if topology["mode"] == "disaggregated":
+    if topology is DISAGGREGATED:
         assert f"target rank 0/1: sent {2 * STEPS} micro-batches" in log
+    if topology is TWO_STAGES:
+        assert "target rank 0/2 (stage 0/2 of replica 0): layers 0..1 of replica 0" in log
+        assert "target rank 1/2 (stage 1/2 of replica 0): layers 2..4 of replica 0" in log
+        assert f"target rank 1/2 (stage 1/2 of replica 0): sent {2 * STEPS} micro-batches" in log
 
 
 @pytest.mark.parametrize("topology,fault", [(COLOCATED, "1:4"), (DISAGGREGATED, "0:4")],

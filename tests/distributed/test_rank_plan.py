@@ -110,8 +110,11 @@ def test_target_that_cannot_fit_a_gpu_is_refused(tiny_dict, monkeypatch):
     tiny_dict["runtime"]["device"] = "cuda"
     cfg = _config(tiny_dict, mode="disaggregated", target_gpus=[0], drafter_gpus=[1])
     assert topology.target_weight_bytes(cfg) > 1 << 19
-    with pytest.raises(BadInput, match="not implemented yet"):
+    with pytest.raises(BadInput, match=r"the target's weights need 0\.\d+ MiB but GPU 0 has 0\.50 MiB; split the "
+                       r"target by layers .*topology.target_stages=3"):
         topology.check_target_fits(cfg, plan_ranks(cfg.topology))
+    split = _config(tiny_dict, mode="disaggregated", target_gpus=[0, 1, 2], drafter_gpus=[3], target_stages=3)
+    topology.check_target_fits(split, plan_ranks(split.topology))  # a third of it fits
 
 
 def test_cli_refuses_cuda_topology_without_gpus_with_exit_2(write_config, tiny_dict, capsys, monkeypatch):
@@ -129,6 +132,23 @@ def test_topology_values_are_validated(tiny_dict):
         _config(tiny_dict, max_inflight=0)
     with pytest.raises(ConfigError, match=r"GPUs \[1\] are in both"):
         _config(tiny_dict, mode="disaggregated", target_gpus=[0, 1], drafter_gpus=[1])
+    with pytest.raises(ConfigError, match="target_stages splits the target .* needs topology.mode=disaggregated"):
+        _config(tiny_dict, mode="colocated", nproc=2, target_stages=2)
+    with pytest.raises(ConfigError, match=r"3 target ranks cannot form replicas of topology.target_stages=2"):
+        _config(tiny_dict, mode="disaggregated", target_gpus=[0, 1, 2], drafter_gpus=[3], target_stages=2)
+
+
+def test_layer_split_plan_producers_are_the_last_stages():
+    plan = plan_ranks(TopologyConfig(mode="disaggregated", target_gpus=[0, 1, 2, 3], drafter_gpus=[4, 5],
+                                     target_stages=2, nnodes=2))
+    assert plan.target_ranks == (0, 1, 2, 3, 6, 7, 8, 9) and plan.drafter_ranks == (4, 5, 10, 11)
+    assert plan.producers == (1, 3, 7, 9)
+    assert [plan.replica_ranks(r) for r in range(4)] == [(0, 1), (2, 3), (6, 7), (8, 9)]
+    assert (plan.replica_of(7), plan.stage_of(7), plan.stage_of(6)) == (2, 1, 0)
+    assert plan.describe(3) == "target rank 3/8 (stage 1/2 of replica 1)"
+    schedule = ItemSchedule(plan.producers, plan.drafter_ranks, 0, 2)
+    made = Counter(p for _, _, p in schedule.items())
+    assert set(made) == set(plan.producers) and len(set(made.values())) == 1  # producers fed evenly
 
 
 def test_torchrun_command_single_node_and_rendezvous(tiny_dict, monkeypatch):
