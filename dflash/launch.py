@@ -196,7 +196,7 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
         escalated = 0
         while True:
             try:
-                rc = proc.wait(timeout=0.2 if stop else 1.0)
+                rc = proc.wait(timeout=0.1)  # short: a stop signal is passed on within this time
                 break
             except subprocess.TimeoutExpired:
                 pass

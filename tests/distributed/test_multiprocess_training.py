@@ -144,9 +144,13 @@ def test_a_crashing_rank_ends_the_job_and_names_itself(topology, fault, tmp_path
     assert json.loads((out / "heartbeat.json").read_text())["status"] == "failed"
 
 
-def test_sigterm_checkpoints_every_rank_then_resume_continues_the_trajectory(reference, tmp_path):
+STAGES_ONE_DRAFTER = {**TWO_STAGES, "drafter_gpus": [2], "max_inflight": 1}
+
+
+@pytest.mark.parametrize("topology", [TWO_PRODUCERS, STAGES_ONE_DRAFTER], ids=["2-producers", "2-stages"])
+def test_sigterm_checkpoints_every_rank_then_resume_continues_the_trajectory(topology, reference, tmp_path):
     out = tmp_path / "run"
-    config = write(tiny(out, TWO_PRODUCERS, grad_accum=2), tmp_path / "run.yaml")
+    config = write(tiny(out, topology, grad_accum=2), tmp_path / "run.yaml")
     proc = spawn(config)
     heartbeat = out / "heartbeat.json"
     deadline = time.monotonic() + 120
