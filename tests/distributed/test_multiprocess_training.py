@@ -122,8 +122,8 @@ def test_loss_trajectory_matches_single_process(topology, reference, tmp_path):
         assert f"target rank 1/2 (stage 1/2 of replica 0): sent {2 * STEPS} micro-batches" in log
 
 
-@pytest.mark.parametrize("topology,fault", [(COLOCATED, "1:4"), (DISAGGREGATED, "0:4")],
-                         ids=["colocated-drafter-rank-1", "disaggregated-target-rank-0"])
+@pytest.mark.parametrize("topology,fault", [(COLOCATED, "1:4"), (DISAGGREGATED, "0:4"), (TWO_STAGES, "1:4")],
+                         ids=["colocated-drafter-rank-1", "disaggregated-target-rank-0", "layer-split-stage-1"])
 def test_a_crashing_rank_ends_the_job_and_names_itself(topology, fault, tmp_path):
     out = tmp_path / "run"
     rc, log, elapsed = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml"), fault=fault), 180)
@@ -140,6 +140,8 @@ def test_a_crashing_rank_ends_the_job_and_names_itself(topology, fault, tmp_path
     last = ckpts.latest_valid()
     assert last is not None and last.name in ("step-00000003", "step-00000004") and ckpts.verify(last) is None
     assert Drafter.load(last).arch.block_size == 8
+    if topology is TWO_STAGES:  # the stage ran from item 0 and raised at the first item of step 4
+        assert "target rank 1/2 (stage 1/2 of replica 0): layers 2..4" in log
     assert torch.load(last / "trainer_state.pt", weights_only=False)["step"] == int(last.name[5:])
     assert json.loads((out / "heartbeat.json").read_text())["status"] == "failed"
 
