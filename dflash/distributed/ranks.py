@@ -216,6 +216,18 @@ def run_disaggregated(config: RunConfig, plan: RankPlan, rank: int, device: torc
     return _run_reporting_failure(trainer, then=trainer.consumer.finish)
 
 
+def drafter_samplers(config: RunConfig, train_set, drafters: int, state: dict) -> list[RoundRobinBatchSampler]:
+    """For a target rank: the data position of every drafter rank (what colocated rank d would read)."""
+    c = config
+    samplers = []
+    for d in range(drafters):
+        s = RoundRobinBatchSampler(train_set.lengths(), c.data.token_budget, c.data.bucket_size, c.data.max_length,
+                                   seed=c.seed, rank=d, world_size=drafters, multiple_of=c.optim.grad_accum)
+        s.load_state_dict(state)
+        samplers.append(s)
+    return samplers
+
+
 def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.device, head_group,
                     dtype: torch.dtype, timeout: timedelta) -> None:
     # the drafter ranks decide when to stop and tell this rank (STOP credits)
@@ -226,13 +238,7 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
     if rank == plan.target_ranks[0]:
         share_frozen_head(trainer.target, head_group, rank, rank, device, dtype)
     c, drafters = config, len(plan.drafter_ranks)
-    samplers = []
-    for d in range(drafters):  # the data drafter rank d would read in colocated mode
-        s = RoundRobinBatchSampler(trainer.train_set.lengths(), c.data.token_budget, c.data.bucket_size,
-                                   c.data.max_length, seed=c.seed, rank=d, world_size=drafters,
-                                   multiple_of=c.optim.grad_accum)
-        s.load_state_dict(info["sampler"])
-        samplers.append(s)
+    samplers = drafter_samplers(c, trainer.train_set, drafters, info["sampler"])
     accum = c.optim.grad_accum
     schedule = ItemSchedule(plan.producers, plan.drafter_ranks, info["step"] * accum,
                             (info["total_steps"] - info["step"]) * accum)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dflash.config import RunConfig
-from dflash.data.buckets import RoundRobinBatchSampler, collate
+from dflash.data.buckets import collate
 from dflash.distributed.topology import RankPlan
 from dflash.distributed.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
 from dflash.errors import BadInput
@@ -132,7 +132,7 @@ def _drop_attribute_holding(owner: nn.Module, module: nn.Module | None) -> None:
 def run_target_stage(config: RunConfig, plan: RankPlan, rank: int, device: torch.device, head_group,
                      dtype: torch.dtype, timeout: timedelta) -> None:
     """One stage of a layer-split target replica (topology.target_stages > 1)."""
-    from dflash.distributed.ranks import _broadcast_object, check_fault, share_frozen_head
+    from dflash.distributed.ranks import _broadcast_object, check_fault, drafter_samplers, share_frozen_head
     from dflash.train import Trainer
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # the drafter ranks decide when to stop (STOP credits)
@@ -183,13 +183,7 @@ def run_target_stage(config: RunConfig, plan: RankPlan, rank: int, device: torch
 
     if stage == 0:
         pad = trainer.tokenizer.pad_token_id or 0
-        samplers = []
-        for d in range(drafters):  # the data drafter rank d would read in colocated mode
-            s = RoundRobinBatchSampler(trainer.train_set.lengths(), c.data.token_budget, c.data.bucket_size,
-                                       c.data.max_length, seed=c.seed, rank=d, world_size=drafters,
-                                       multiple_of=accum)
-            s.load_state_dict(info["sampler"])
-            samplers.append(s)
+        samplers = drafter_samplers(c, trainer.train_set, drafters, info["sampler"])
 
         def inputs():
             for d, n, producer in schedule.items():
