@@ -28,7 +28,7 @@ from dflash.data.buckets import collate
 from dflash.distributed.topology import RankPlan
 from dflash.distributed.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
 from dflash.errors import BadInput
-from dflash.models.target import _find_layers, _StopForward, _text_config, build_hf_model
+from dflash.models.target import _find_layers, _StopForward, _text_config, build_hf_model, kernels_importable
 
 
 def stage_bounds(deepest_layer: int, stages: int) -> list[tuple[int, int]]:
@@ -151,6 +151,10 @@ def run_target_stage(config: RunConfig, plan: RankPlan, rank: int, device: torch
     part = TargetStage(model, trainer.layer_ids, start, stop, keep_embedding=stage == 0,
                        keep_head=rank == plan.target_ranks[0]).to(device)
     del model
+    linear = sum(1 for m in part.modules() if "GatedDeltaNet" in type(m).__name__)
+    if linear and device.type == "cuda" and not all(kernels_importable()) and not c.target.allow_slow_path:
+        raise BadInput(f"target stage {stage}: {linear} GatedDeltaNet layers would run on the slow PyTorch path; "
+                       "install flash-linear-attention and causal-conv1d or set target.allow_slow_path=true")
     hidden = part.hidden_size
     info = _broadcast_object(None, plan.reporter)
     if rank == plan.target_ranks[0]:
