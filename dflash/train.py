@@ -100,6 +100,13 @@ def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
     return factor
 
 
+def check_token_range(dataset: TokenizedSet, vocab_size: int) -> None:
+    max_id = max((int(ids.max()) for ids, _ in dataset.samples if ids.numel()), default=-1)
+    if max_id >= vocab_size:
+        raise BadInput(f"token id {max_id} is outside the target's embedding table ({vocab_size}); the "
+                       "tokenizer does not belong to this target")
+
+
 def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
     """Anchors depend only on (seed, step, rank): a resumed run draws exactly what an unbroken one would."""
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + rank)
@@ -169,10 +176,7 @@ class Trainer:
                            "install flash-linear-attention and causal-conv1d (the `kernels` role, or "
                            "`pip install dflash-trainer[gpu]` + a causal-conv1d build) or set "
                            "target.allow_slow_path=true")
-        max_id = max(int(ids.max()) for ids, _ in self.train_set.samples)
-        if max_id >= target.vocab_size:
-            raise BadInput(f"token id {max_id} is outside the target's embedding table ({target.vocab_size}); the "
-                           "tokenizer does not belong to this target")
+        check_token_range(self.train_set, target.vocab_size)
         return target
 
     def _mask_token_id(self, vocab_size: int) -> int:

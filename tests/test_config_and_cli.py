@@ -92,3 +92,13 @@ def test_doctor_without_gpu_reports_and_require_fast_path_fails(capsys):
 
     if importlib.util.find_spec("fla") is None:
         assert main(["doctor", "--require-fast-path"]) == 1
+
+
+def test_tokens_outside_the_targets_vocabulary_are_refused_with_exit_2(write_config, tiny_dict, capsys):
+    """A tokenizer that does not belong to the target: one clear line, exit 2, no checkpoint written."""
+    tiny_dict["target"]["random_init"]["vocab_size"] = 40  # the synthetic tokenizer has more ids than that
+    out = tiny_dict["output_dir"] = str(write_config(tiny_dict).parent / "run")
+    assert main(["train", str(write_config(tiny_dict))]) == 2
+    err = capsys.readouterr().err
+    assert "dflash: error: token id" in err and "outside the target's embedding table (40)" in err
+    assert not list((Path(out) / "checkpoints").glob("step-*"))

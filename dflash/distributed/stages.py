@@ -133,7 +133,7 @@ def run_target_stage(config: RunConfig, plan: RankPlan, rank: int, device: torch
                      dtype: torch.dtype, timeout: timedelta) -> None:
     """One stage of a layer-split target replica (topology.target_stages > 1)."""
     from dflash.distributed.ranks import _broadcast_object, check_fault, drafter_samplers, share_frozen_head
-    from dflash.train import Trainer
+    from dflash.train import Trainer, check_token_range
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # the drafter ranks decide when to stop (STOP credits)
     signal.signal(signal.SIGINT, lambda *_: None)
@@ -151,6 +151,8 @@ def run_target_stage(config: RunConfig, plan: RankPlan, rank: int, device: torch
     part = TargetStage(model, trainer.layer_ids, start, stop, keep_embedding=stage == 0,
                        keep_head=rank == plan.target_ranks[0]).to(device)
     del model
+    if stage == 0:
+        check_token_range(trainer.train_set, part.embed_tokens.weight.shape[0])
     linear = sum(1 for m in part.modules() if "GatedDeltaNet" in type(m).__name__)
     if linear and device.type == "cuda" and not all(kernels_importable()) and not c.target.allow_slow_path:
         raise BadInput(f"target stage {stage}: {linear} GatedDeltaNet layers would run on the slow PyTorch path; "
