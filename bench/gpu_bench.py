@@ -207,7 +207,8 @@ def sec_drafter(args):
     out["full_vocab_logits_fp32_gib"] = full_logits_gib
     # (name, attention, torch.compile of the drafter, loss implementation)
     variants = [("sdpa-dense", "sdpa", False, "checkpoint"), ("flex", "flex", False, "checkpoint"),
-                ("flex+compile", "flex", True, "checkpoint"), ("flex+compile+fusedce", "flex", True, "fused")]
+                ("flex+compile", "flex", True, "checkpoint"), ("flex+fusedce", "flex", False, "fused"),
+                ("flex+compile+fusedce", "flex", True, "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", False, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", False, "fused")]
     grads = {}
@@ -421,7 +422,7 @@ def main() -> int:
     p.add_argument("--hybrid-batch", type=int, default=2)
     p.add_argument("--budgets", default="3072,6144,12288,24576")
     p.add_argument("--e2e-steps", type=int, default=12)
-    p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile,flex+compile+fusedce,sdpa-dense+fusedce")
+    p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile,flex+fusedce,flex+compile+fusedce,sdpa-dense+fusedce")
     p.add_argument("--no-drafter-timing", dest="drafter_timing", action="store_false")
     args = p.parse_args()
     OUT = Path(args.out)
