@@ -44,7 +44,7 @@ class DrafterConfig:
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     compile: bool = False
     loss_chunk_size: int = 4096  # rows of LM-head logits materialised at a time
-    loss_impl: Literal["checkpoint", "fused"] = "checkpoint"  # fused: row gradients in the forward, no recompute
+    loss_impl: Literal["checkpoint", "fused"] = "fused"  # fused: row gradients in the forward, no recompute
     init_from: str | None = None  # a drafter directory (export layout) to start from
     intermediate_size: int | None = None  # default: the target's
     num_attention_heads: int | None = None  # default: the target's

@@ -116,7 +116,7 @@ LOSS_IMPLS = ("checkpoint", "fused")
 
 
 def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, blocks: Blocks, gamma: float,
-                        chunk_size: int = 4096, impl: str = "checkpoint"):
+                        chunk_size: int = 4096, impl: str = "fused"):
     """Decayed CE over valid positions, divided by the sum of their weights; logits built in chunks.
 
     hidden: (b, m, B, H) drafter outputs. Returns (loss, correct (b, m, B-1) bool).
