@@ -247,9 +247,9 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
     producer = FeatureProducer(schedule, rank, layout, c.topology.max_inflight, device, timeout)
     pad = trainer.tokenizer.pad_token_id or 0
     print(f"{plan.describe(rank)}: producing for {drafters} drafter rank(s) from step {info['step']}", flush=True)
-    for d, n, mine in producer.mine():
+    for d, n, producer_rank in schedule.items():  # every item advances drafter d's data position
         epoch, blen, idx = samplers[d].next()
-        if not mine:
+        if producer_rank != rank:
             continue
         if producer.stopped:
             break

@@ -111,9 +111,7 @@ class TargetStage(nn.Module):
                 self.backbone(inputs_embeds=hidden_in, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
-        out = self._captured.pop(-1)
-        if self.stop - 1 in self.tapped:
-            self._captured[self.stop - 1] = out
+        out = self._captured.pop(-1)  # a tapped last layer was captured by its own hook too
         taps = [self._captured[i] for i in self.tapped]
         self._captured.clear()
         return out, taps

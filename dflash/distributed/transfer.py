@@ -9,10 +9,10 @@ receives before the sender has produced anything and no shape ever changes:
 
 Flow control is credit based. A drafter rank keeps `max_inflight` receive slots; the producer of its item n
 may send without asking only for n < max_inflight, and after that waits for the drafter's credit for n,
-which the drafter sends once item n - max_inflight is consumed and its slot re-posted. The producer computes
-item n before it waits for that credit, so the target works one item ahead of the drafter's slots. A credit of 0 means
-"stop": every drafter rank sends one to every target rank when it finishes (normally or on SIGTERM), so a
-target rank never waits on a drafter that has gone. A slow drafter therefore blocks its producers instead of
+which the drafter sends once item n - max_inflight is consumed and its slot re-posted. The producer
+computes item n before it waits for that credit, so the target works one item ahead of the drafter's
+slots. A credit of 0 means "stop": every drafter rank sends one to every target rank when it finishes
+(normally or on SIGTERM), so a target rank never waits on a drafter that has gone. A slow drafter therefore blocks its producers instead of
 growing memory, and every wait has the topology timeout.
 
 Item order: drafter rank d consumes its items n = 0, 1, ... (optim.grad_accum per step). The global index of
@@ -220,14 +220,6 @@ class FeatureProducer:
         if value == STOP:
             self.stopped.add(d)
         return value
-
-    def mine(self):
-        """(drafter index, item n, produced here?) for every item in global order: the caller advances each
-        drafter rank's data position on every item and produces only its own."""
-        s = self.schedule
-        for n in range(s.num_items):
-            for d in range(len(s.drafter_ranks)):
-                yield d, n, s.producer(d, n) == self.rank
 
     def wants(self, d: int, n: int) -> bool:
         """Before sending item n of drafter d (already computed, so that the target runs one item ahead of
