@@ -190,14 +190,56 @@ def _drafter_setup(args):
     return arch, drafter, embed, head, feats, blocks, seq
 
 
+# kernel name -> category of the profile breakdown (first match wins)
+KERNEL_CATEGORIES = [
+    ("flex attention", ("flex_attention", "flex_decoding", "triton_tem_fused")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "l2norm")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "sm80_xmma", "wgmma")),
+    ("fused elementwise (inductor)", ("triton_poi", "triton_per", "triton_red")),
+    ("copy / cast", ("copy", "cast", "memcpy", "memset", "fill")),
+    ("softmax / loss", ("softmax", "log_softmax", "nll", "cross_entropy", "logsumexp")),
+    ("reduction", ("reduce",)),
+    ("elementwise (eager)", ("elementwise", "vectorized", "unrolled")),
+]
+
+
+def kernel_breakdown(fn, steps=2) -> dict:
+    """CUDA kernel time of `fn` per category and the top kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+    cats: dict[str, float] = {}
+    kernels = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not t or ev.key.startswith("ProfilerStep"):
+            continue
+        low = ev.key.lower()
+        if low.startswith(("aten::", "autograd", "torch", "optimizer", "compiledfunction", "## ")):
+            continue  # CPU-side ranges that wrap kernels: counted through their kernels
+        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + t / 1e3 / steps
+        kernels.append((t / 1e3 / steps, ev.count // steps, ev.key[:90]))
+    kernels.sort(reverse=True)
+    total = sum(cats.values())
+    return {"gpu_ms_per_step": total,
+            "categories_ms": {k: round(v, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"ms": round(t, 3), "calls": n, "name": k} for t, n, k in kernels[:15]]}
+
+
 def sec_drafter(args):
+    import copy
+
     from dflash.flops import drafter_step_flops
     from dflash.loss import weighted_block_loss
     from dflash.models.attention import compiled_flex_attention
 
     arch, drafter, embed, head, feats, blocks, seq = _drafter_setup(args)
     dev = device()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=dev.type == "cuda")
     flops = drafter_step_flops(arch, seq, blocks.anchors, blocks.anchor_valid, int(blocks.label_valid.sum()))
     peak = (args.peak_tflops or RESULTS.get("ceilings", {}).get("bf16_matmul_tflops") or 790.0) * 1e12
     out = {"shape": {"hidden": arch.hidden_size, "layers": arch.num_hidden_layers, "block": arch.block_size,
@@ -205,47 +247,66 @@ def sec_drafter(args):
            "flops_per_step": flops.training, "flops_detail": flops.__dict__, "variants": {}}
     full_logits_gib = blocks.label_valid.numel() * arch.vocab_size * 4 / 2**30
     out["full_vocab_logits_fp32_gib"] = full_logits_gib
-    # (name, attention, torch.compile of the drafter, loss implementation)
-    variants = [("sdpa-dense", "sdpa", False, "checkpoint"), ("flex", "flex", False, "checkpoint"),
-                ("flex+compile", "flex", True, "checkpoint"), ("flex+fusedce", "flex", False, "fused"),
-                ("flex+compile+fusedce", "flex", True, "fused")]
+    # (name, attention, compilation: None | "forward" (whole drafter.forward) | "layers" (the trainer's
+    # drafter.compile: each layer, mask built outside), loss implementation)
+    variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("flex", "flex", None, "checkpoint"),
+                ("flex+compile", "flex", "forward", "checkpoint"), ("flex+fusedce", "flex", None, "fused"),
+                ("flex+compile+fusedce", "flex", "forward", "fused"),
+                ("flex+layercompile+fusedce", "flex", "layers", "fused")]
     if dev.type != "cuda":
-        variants = [("sdpa-dense", "sdpa", False, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", False, "fused")]
+        variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
     initial = {k: v.clone() for k, v in drafter.state_dict().items()}
     wanted = [v for v in variants if v[0] in args.drafter_variants.split(",")]
-    for name, kind, compile_model, impl in wanted:  # gradients of every variant at the same weights first
-        drafter.load_state_dict(initial)
-        drafter.zero_grad(set_to_none=True)
-        fwd = torch.compile(drafter.forward) if compile_model else drafter.forward
+
+    def prepare(compile_mode):
+        """A drafter at the initial weights, compiled as asked, and its forward."""
+        model = copy.deepcopy(drafter) if compile_mode == "layers" else drafter
+        model.load_state_dict(initial)
+        if compile_mode == "layers":
+            model.compile_layers()
+        return model, (torch.compile(model.forward) if compile_mode == "forward" else model.forward)
+
+    def step_fn(model, fwd, kind, impl, opt=None):
         flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
-            loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096, impl)
-        loss.backward()
-        grads[name] = torch.cat([p.grad.flatten().float() for p in drafter.parameters()])
-        out["variants"][name] = {"loss_at_init": float(loss.detach())}
-    drafter.load_state_dict(initial)
-    for name, kind, compile_model, impl in wanted if args.drafter_timing else []:
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
+                loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096, impl)
+            loss.backward()
+            if opt is not None:
+                opt.step()
+            return loss
+        return step
+
+    for name, kind, compile_mode, impl in wanted:  # gradients of every variant at the same weights first
+        model, fwd = prepare(compile_mode)
+        t0 = time.perf_counter()
+        loss = step_fn(model, fwd, kind, impl)()
+        sync()
+        first = time.perf_counter() - t0
+        grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
+        out["variants"][name] = {"loss_at_init": float(loss.detach()), "first_step_s": first}
+        print(f"  {name}: loss {float(loss):.6f}, first step (compilation included) {first:.1f}s", flush=True)
+        del model, fwd
+    for name, kind, compile_mode, impl in wanted if args.drafter_timing else []:
         try:
-            fwd = torch.compile(drafter.forward) if compile_model else drafter.forward
-            flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
-
-            def step():
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                    hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
-                    loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096, impl)
-                loss.backward()
-                return loss
-
+            model, fwd = prepare(compile_mode)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+            step = step_fn(model, fwd, kind, impl, opt)
             loss = step()
-            t = timed(lambda: (step(), opt.step()), 2, 5)
-            mem = peak_mem_gib(lambda: (step(), opt.step()))
+            t = timed(step, 2, 5)
+            mem = peak_mem_gib(step)
             out["variants"][name] |= {"step_s": t, "tokens_per_s": seq / t,
                                      "blocks_per_s": int(blocks.anchor_valid.sum()) / t,
                                      "tflops": flops.training / t / 1e12, "mfu": flops.training / t / peak,
                                      "peak_gib": mem, "loss": float(loss.detach())}
+            if dev.type == "cuda" and name in args.profile.split(","):
+                out["variants"][name]["profile"] = kernel_breakdown(step)
+            del opt, model, fwd, step
+            record("drafter", out)  # after every variant: a run cut short keeps what it measured
         except Exception as exc:  # keep the other variants
             out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             traceback.print_exc()
@@ -422,7 +483,9 @@ def main() -> int:
     p.add_argument("--hybrid-batch", type=int, default=2)
     p.add_argument("--budgets", default="3072,6144,12288,24576")
     p.add_argument("--e2e-steps", type=int, default=12)
-    p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile,flex+fusedce,flex+compile+fusedce,sdpa-dense+fusedce")
+    p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile,flex+fusedce,flex+compile+fusedce,"
+                   "flex+layercompile+fusedce,sdpa-dense+fusedce")
+    p.add_argument("--profile", default="", help="drafter variants to profile by kernel category (CUDA)")
     p.add_argument("--no-drafter-timing", dest="drafter_timing", action="store_false")
     args = p.parse_args()
     OUT = Path(args.out)

@@ -218,15 +218,14 @@ class Trainer:
         self.gamma = c.drafter.gamma or default_gamma(c.drafter.block_size)
         self.attention_kind = resolve_kind(c.drafter.attention, self.device)
         self._flex = compiled_flex_attention() if (self.attention_kind == "flex" and self.device.type == "cuda") else None
-        self._forward = self.drafter.forward
         if c.drafter.compile:
-            self._forward = torch.compile(self.drafter.forward)
+            self.drafter.compile_layers()
 
     def _build_optimizer(self) -> None:
         o = self.config.optim
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_schedule(self.total_steps, o.warmup_ratio, o.min_lr_ratio))
 
@@ -295,7 +294,7 @@ class Trainer:
         anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.num_anchors, generator)
         blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, c.block_size,
                               self.drafter.arch.mask_token_id)
-        forward = model if model is not None else self._forward
+        forward = model if model is not None else self.drafter
         embed = self.embed_tokens()
         self.last_flops = drafter_step_flops(self.drafter.arch, int(batch.lengths.sum()), anchors, valid,
                                              int(blocks.label_valid.sum()))
@@ -316,9 +315,9 @@ class Trainer:
 
     def optimizer_step(self, grad_scale: float = 1.0) -> None:
         """Scale the accumulated gradients (the loss normaliser), clip, step."""
-        for p in self.drafter.parameters():
-            if p.grad is not None:
-                p.grad.mul_(grad_scale)
+        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+        if grad_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, grad_scale)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -461,7 +460,8 @@ class Trainer:
         loss_sum, n, tokens, stats = self.reduce_stats(window["loss"], window["n"], window["tokens"], window["stats"])
         elapsed = max(time.time() - window["t0"], 1e-9)
         record = {"step": self.step, "epoch": epoch, "loss": loss_sum / max(n, 1), "acc": stats.accuracy,
-                  "tau": stats.tau, "tokens_per_s": tokens / elapsed, "lr": self.scheduler.get_last_lr()[0],
+                  "tau": stats.tau, "tokens_per_s": tokens / elapsed,
+                  "blocks_per_s": float(stats.num_blocks) / elapsed, "lr": self.scheduler.get_last_lr()[0],
                   "mem_gib": self.memory_gib()}
         peak = peak_flops(self.device, self.config.runtime.peak_tflops)
         if peak:

@@ -104,7 +104,8 @@ def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(write_config, tiny_d
     ckpts = sorted((out / "checkpoints").glob("step-*"))
     assert ckpts and ckpts[-1].name == f"step-{step:08d}"
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert lines and {"step", "loss", "tau", "tokens_per_s", "acc", "lr"} <= set(lines[-1])
+    assert lines and {"step", "loss", "tau", "tokens_per_s", "blocks_per_s", "acc", "lr"} <= set(lines[-1])
+    assert lines[-1]["blocks_per_s"] > 0
     # resume continues from that step
     proc2 = _spawn(cfg, f"optim.max_steps={step + 5}")
     output2, _ = proc2.communicate(timeout=120)

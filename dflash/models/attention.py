@@ -30,6 +30,8 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
 
 
 def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
+    """BlockMask of `visible`. On CUDA its construction is compiled (`_compile=True`): eager construction
+    materialises the whole (b, m*B, T+m*B) predicate in int64 temporaries (gigabytes at training shapes)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, m = anchors.shape
@@ -38,7 +40,7 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
         return visible(q_idx, kv_idx, anchors[bi], ctx_len, block_size)
 
     return create_block_mask(mask_mod, b, None, m * block_size, ctx_len + m * block_size,
-                             device=anchors.device)
+                             device=anchors.device, _compile=anchors.is_cuda)
 
 
 class AttentionBackend:
