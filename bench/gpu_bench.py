@@ -231,8 +231,53 @@ def kernel_breakdown(fn, steps=2) -> dict:
             "top_kernels": [{"ms": round(t, 3), "calls": n, "name": k} for t, n, k in kernels[:15]]}
 
 
+def sec_compile(args):
+    """Cold compile cost of each compiled piece at the drafter's training shape, in the order a fresh process
+    meets them (run it first, on an empty inductor cache, to see what a first start pays)."""
+    from dflash.loss import _ce_rows_kernel
+    from dflash.models.attention import compiled_flex_attention, flex_block_mask
+
+    arch, _drafter, _embed, _head, _feats, blocks, seq = _drafter_setup(args)
+    dev = device()
+    out = {"inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default (/tmp/torchinductor_$USER)")}
+
+    def first_and_next(fn):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        t1 = time.perf_counter()
+        fn()
+        sync()
+        return round(t1 - t0, 2), round(time.perf_counter() - t1, 4)
+
+    m = blocks.anchors.shape[1]
+    out["block_mask_first_s"], out["block_mask_next_s"] = first_and_next(
+        lambda: flex_block_mask(blocks.anchors, seq, arch.block_size))
+    mask = flex_block_mask(blocks.anchors, seq, arch.block_size)
+    hq, hkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    q = torch.randn(1, hq, m * arch.block_size, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, hkv, seq + m * arch.block_size, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    flex = compiled_flex_attention()
+    res = {}
+    out["flex_forward_first_s"], out["flex_forward_next_s"] = first_and_next(
+        lambda: res.__setitem__("o", flex(q, k, v, block_mask=mask, enable_gqa=True)))
+    out["flex_backward_first_s"], out["flex_backward_next_s"] = first_and_next(
+        lambda: flex(q, k, v, block_mask=mask, enable_gqa=True).sum().backward())
+    n = int(blocks.label_valid.sum())
+    logits = torch.randn(min(n, 4096), arch.vocab_size, device=dev, dtype=torch.bfloat16)
+    labels = torch.randint(0, arch.vocab_size, (logits.shape[0],), device=dev)
+    w = torch.rand(logits.shape[0], device=dev)
+    ce = _ce_rows_kernel(dev)
+    out["ce_rows_first_s"], out["ce_rows_next_s"] = first_and_next(lambda: ce(logits, labels, w))
+    out["ce_rows_other_length_s"], _ = first_and_next(lambda: ce(logits[:1000], labels[:1000], w[:1000]))
+    record("compile", out)
+
+
 def sec_drafter(args):
     import copy
+
+    import dflash.loss
 
     from dflash.flops import drafter_step_flops
     from dflash.loss import weighted_block_loss
@@ -247,11 +292,13 @@ def sec_drafter(args):
            "flops_per_step": flops.training, "flops_detail": flops.__dict__, "variants": {}}
     full_logits_gib = blocks.label_valid.numel() * arch.vocab_size * 4 / 2**30
     out["full_vocab_logits_fp32_gib"] = full_logits_gib
-    # (name, attention, compilation: None | "forward" (whole drafter.forward) | "layers" (the trainer's
-    # drafter.compile: each layer, mask built outside), loss implementation)
+    # (name, attention, compilation: None | "forward" (whole drafter.forward, as drafter.compile does) |
+    # "layers" (each layer; mask, RoPE and fc eager), loss implementation). Every "fusedce" variant runs the
+    # loss's per-chunk softmax compiled (`dflash.loss.ce_rows`); "+eagerce" runs it eagerly (the baseline).
     variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("flex", "flex", None, "checkpoint"),
                 ("flex+compile", "flex", "forward", "checkpoint"), ("flex+fusedce", "flex", None, "fused"),
                 ("flex+compile+fusedce", "flex", "forward", "fused"),
+                ("flex+compile+fusedce+eagerce", "flex", "forward", "fused"),
                 ("flex+layercompile+fusedce", "flex", "layers", "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
@@ -264,13 +311,15 @@ def sec_drafter(args):
         model = copy.deepcopy(drafter) if compile_mode == "layers" else drafter
         model.load_state_dict(initial)
         if compile_mode == "layers":
-            model.compile_layers()
+            for layer in model.layers:
+                layer.compile()
         return model, (torch.compile(model.forward) if compile_mode == "forward" else model.forward)
 
-    def step_fn(model, fwd, kind, impl, opt=None):
+    def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False):
         flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
 
         def step():
+            dflash.loss.COMPILE_CE_ROWS = not eager_ce
             model.zero_grad(set_to_none=True)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
@@ -284,7 +333,7 @@ def sec_drafter(args):
     for name, kind, compile_mode, impl in wanted:  # gradients of every variant at the same weights first
         model, fwd = prepare(compile_mode)
         t0 = time.perf_counter()
-        loss = step_fn(model, fwd, kind, impl)()
+        loss = step_fn(model, fwd, kind, impl, eager_ce=name.endswith("+eagerce"))()
         sync()
         first = time.perf_counter() - t0
         grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
@@ -295,7 +344,7 @@ def sec_drafter(args):
         try:
             model, fwd = prepare(compile_mode)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-            step = step_fn(model, fwd, kind, impl, opt)
+            step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"))
             loss = step()
             t = timed(step, 2, 5)
             mem = peak_mem_gib(step)
@@ -467,7 +516,7 @@ def sec_refuse(args):
     sys.exit(cli(["train", str(path)]))
 
 
-SECTIONS = {"doctor": sec_doctor, "refuse": sec_refuse, "ceilings": sec_ceilings, "features": sec_features, "drafter": sec_drafter, "e2e": sec_e2e,
+SECTIONS = {"compile": sec_compile, "doctor": sec_doctor, "refuse": sec_refuse, "ceilings": sec_ceilings, "features": sec_features, "drafter": sec_drafter, "e2e": sec_e2e,
             "hybrid": sec_hybrid, "hybrid_one": sec_hybrid_one}
 
 

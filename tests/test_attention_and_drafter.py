@@ -87,31 +87,6 @@ def test_flex_attention_matches_dense_sdpa_gradients_cuda(setup):
     assert rel < 1e-3
 
 
-def test_compiled_layers_match_eager_and_share_one_graph(setup):
-    """Per-layer compile (drafter.compile): same outputs and gradients as eager, and the layers reuse one
-    compiled graph instead of compiling the model once per layer."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    drafter, embed, feats, block_ids, anchors = setup
-    drafter.train()
-    eager = run(drafter, feats, block_ids, anchors, embed)
-    eager.square().mean().backward()
-    g_eager = torch.cat([p.grad.flatten() for p in drafter.parameters()])
-    drafter.zero_grad()
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    drafter.compile_layers(backend=counter)
-    out = run(drafter, feats, block_ids, anchors, embed)
-    out.square().mean().backward()
-    g_comp = torch.cat([p.grad.flatten() for p in drafter.parameters()])
-    assert torch.allclose(out, eager, atol=1e-5)
-    assert torch.allclose(g_comp, g_eager, atol=1e-5)
-    assert counter.frame_count == 1, counter.frame_count  # 2 layers, 1 compiled frame
-    run(drafter, feats, block_ids, anchors, embed)  # same shapes again: no recompilation
-    assert counter.frame_count == 1
-    torch._dynamo.reset()
-
-
 def test_save_load_roundtrip_and_both_config_layouts(tmp_path, setup):
     drafter, embed, feats, block_ids, anchors = setup
     drafter.save(tmp_path / "d")

@@ -213,14 +213,6 @@ class Drafter(nn.Module):
             x = layer(x, ctx, rope_q, rope_k, attend)
         return self.norm(x).reshape(b, m, bs, -1)
 
-    def compile_layers(self, **compile_kwargs) -> None:
-        """`torch.compile` each layer in place (the mask, RoPE tables, `fc` and the loss stay eager).
-
-        The layers share one code object and (modules being inlined) one compiled graph, so compiling
-        costs one layer's worth, not the whole forward's; the BlockMask is built outside the graph."""
-        for layer in self.layers:
-            layer.compile(**compile_kwargs)
-
     # ------------------------------------------------------------------------------------- save/load
     def save(self, directory: str | os.PathLike) -> None:
         """Write config.json + model.safetensors (caller handles atomicity)."""
