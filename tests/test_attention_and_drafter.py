@@ -87,6 +87,41 @@ def test_flex_attention_matches_dense_sdpa_gradients_cuda(setup):
     assert rel < 1e-3
 
 
+@pytest.mark.parametrize("tile", [128, 16])
+@pytest.mark.parametrize("ctx_len,m,block_size", [(12, 3, 4), (256, 16, 16), (300, 20, 16), (1000, 7, 8)])
+def test_structural_block_mask_equals_create_block_mask(ctx_len, m, block_size, tile):
+    """flex_block_mask derives the tiles from the anchors; it must equal the BlockMask that
+    create_block_mask gets by evaluating `visible` everywhere: the same partial and full tiles per q tile,
+    tiles crossing the ends of Q or KV included, invalid anchor slots (anchor 0) included."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.models.attention import flex_block_mask, visible
+
+    g = torch.Generator().manual_seed(ctx_len + m)
+    anchors = torch.stack([torch.randint(1, ctx_len, (m,), generator=g).sort().values for _ in range(2)])
+    anchors[1, m // 2:] = 0  # a short sequence: empty anchor slots
+    anchors[0, -1] = min(ctx_len - 1, tile - 1)  # an anchor one short of a tile end
+    anchors[0] = anchors[0].sort().values
+    ours = flex_block_mask(anchors, ctx_len, block_size, tile)
+
+    def mask_mod(bi, _h, q_idx, kv_idx):
+        return visible(q_idx, kv_idx, anchors[bi], ctx_len, block_size)
+
+    ref = create_block_mask(mask_mod, 2, None, m * block_size, ctx_len + m * block_size, device="cpu",
+                            BLOCK_SIZE=tile)
+    assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        a_num, r_num = getattr(ours, num), getattr(ref, num)
+        assert torch.equal(a_num, r_num), num
+        a_idx, r_idx = getattr(ours, idx), getattr(ref, idx)
+        for bi in range(2):
+            for qi in range(a_num.shape[-1]):
+                n = int(a_num[bi, 0, qi])
+                assert sorted(a_idx[bi, 0, qi, :n].tolist()) == sorted(r_idx[bi, 0, qi, :n].tolist())
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert int(ref.kv_num_blocks.sum()) > 0
+
+
 def test_save_load_roundtrip_and_both_config_layouts(tmp_path, setup):
     drafter, embed, feats, block_ids, anchors = setup
     drafter.save(tmp_path / "d")

@@ -29,18 +29,45 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     return torch.stack(masks)[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
-    """BlockMask of `visible`. On CUDA its construction is compiled (`_compile=True`): eager construction
-    materialises the whole (b, m*B, T+m*B) predicate in int64 temporaries (gigabytes at training shapes)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = 128):
+    """BlockMask of `visible`, built from its structure instead of evaluating the predicate everywhere.
+
+    Row r (block r // B, anchor a) sees the context [0, a) and its own block's keys, so the number of keys
+    it sees in a kv tile is the overlap of two intervals with the tile. A tile is *full* when every row of
+    the q tile sees all of it, *partial* (mask_mod applied) when some row sees some of it. Tiles that cross
+    the end of Q or KV are never full, as in `create_block_mask`, which pads the dense mask with False.
+    `create_block_mask` itself either materialises the (b, m*B, T+m*B) predicate (eager) or compiles it
+    (`_compile=True`: 3 minutes of kernel compilation on an H200 at training shapes, measured); this costs
+    a few small tensor ops, traces into `torch.compile` graphs, and gives the same BlockMask
+    (tests/test_attention_and_drafter.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     b, m = anchors.shape
+    q_len, kv_len = m * block_size, ctx_len + m * block_size
+    nq, nkv = -(-q_len // tile), -(-kv_len // tile)
+    dev = anchors.device
+    rows = torch.arange(nq * tile, device=dev)
+    blk = (rows // block_size).clamp(max=m - 1)
+    lo = torch.arange(nkv, device=dev) * tile  # kv tile starts
+    hi = (lo + tile).clamp(max=kv_len)  # ends, clipped to the real keys
+    ctx_end = anchors[:, blk].clamp(max=ctx_len)[..., None]  # (b, rows, 1): context [0, a)
+    seen = (torch.minimum(hi, ctx_end) - lo).clamp(min=0)
+    own_lo = (ctx_len + blk * block_size)[:, None]  # (rows, 1): own block [own_lo, own_lo + B)
+    seen = seen + (torch.minimum(hi, own_lo + block_size) - torch.maximum(lo, own_lo)).clamp(min=0)
+    seen = (seen * (rows < q_len)[:, None]).view(b, nq, tile, nkv)  # padded rows see nothing
+    full = (seen == tile).all(2)
+    partial = (seen > 0).any(2) & ~full
+
+    def blocks_of(sel: torch.Tensor):
+        count = sel.sum(-1, dtype=torch.int32)[:, None]
+        order = torch.argsort(sel.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return count, order[:, None]
 
     def mask_mod(bi, _h, q_idx, kv_idx):
         return visible(q_idx, kv_idx, anchors[bi], ctx_len, block_size)
 
-    return create_block_mask(mask_mod, b, None, m * block_size, ctx_len + m * block_size,
-                             device=anchors.device, _compile=anchors.is_cuda)
+    return BlockMask.from_kv_blocks(*blocks_of(partial), *blocks_of(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
 
 
 class AttentionBackend:
