@@ -29,6 +29,7 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     return torch.stack(masks)[:, None]
 
 
+@torch.compiler.disable  # eager even inside a compiled drafter forward: see the docstring
 def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = 128):
     """BlockMask of `visible`, built from its structure instead of evaluating the predicate everywhere.
 
@@ -38,8 +39,9 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
     the end of Q or KV are never full, as in `create_block_mask`, which pads the dense mask with False.
     `create_block_mask` itself either materialises the (b, m*B, T+m*B) predicate (eager) or compiles it
     (`_compile=True`: 3 minutes of kernel compilation on an H200 at training shapes, measured); this costs
-    a few small tensor ops, traces into `torch.compile` graphs, and gives the same BlockMask
-    (tests/test_attention_and_drafter.py)."""
+    a few small tensor ops (about 6 ms a batch on an H200) and gives the same BlockMask
+    (tests/test_attention_and_drafter.py). It stays out of `torch.compile` graphs: traced into the
+    trainer's compiled drafter forward, Triton's compilation of these index kernels ran for minutes."""
     from torch.nn.attention.flex_attention import BlockMask
 
     b, m = anchors.shape
@@ -79,7 +81,7 @@ class AttentionBackend:
             from torch.nn.attention.flex_attention import flex_attention
 
             self.mask = flex_block_mask(anchors, ctx_len, block_size)
-            self._flex = compiled or flex_attention
+            self._flex = compiled if compiled is not None else flex_attention  # `or` breaks dynamo graphs
         else:
             self.mask = dense_mask(anchors, ctx_len, block_size)
 
