@@ -278,7 +278,6 @@ def sec_drafter(args):
     import copy
 
     import dflash.loss
-
     from dflash.flops import drafter_step_flops
     from dflash.loss import weighted_block_loss
     from dflash.models.attention import compiled_flex_attention
