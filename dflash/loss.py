@@ -134,10 +134,10 @@ class _FusedHeadCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
         hits = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
         head = weight.to(compute_dtype)
-        ce_rows = _ce_rows_kernel(rows.device)
+        kernel = _ce_rows_kernel(rows.device)
         for start in range(0, rows.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
-            part, hits[sl], grad_logits = ce_rows(rows[sl].to(compute_dtype) @ head.t(), labels[sl], w[sl])
+            part, hits[sl], grad_logits = kernel(rows[sl].to(compute_dtype) @ head.t(), labels[sl], w[sl])
             total += part
             grad[sl] = (grad_logits @ head).to(grad.dtype)
         ctx.save_for_backward(grad)

@@ -70,8 +70,6 @@ class DataParallelTrainer(Trainer):
             raise BadInput(f"drafter ranks resumed different steps ({-int(steps[1])}..{int(steps[0])}); every "
                            f"node must see the reporter's checkpoints: put output_dir ({self.config.output_dir}) "
                            "on a filesystem shared by all nodes")
-        if self.config.drafter.compile:
-            self.drafter.compile()
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp_model = DistributedDataParallel(self.drafter, device_ids=ids, process_group=self.group)
 

@@ -40,8 +40,9 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
     `create_block_mask` itself either materialises the (b, m*B, T+m*B) predicate (eager) or compiles it
     (`_compile=True`: 3 minutes of kernel compilation on an H200 at training shapes, measured); this costs
     a few small tensor ops (about 6 ms a batch on an H200) and gives the same BlockMask
-    (tests/test_attention_and_drafter.py). It stays out of `torch.compile` graphs: traced into the
-    trainer's compiled drafter forward, Triton's compilation of these index kernels ran for minutes."""
+    (tests/test_attention_and_drafter.py). It stays out of `torch.compile` graphs: a trainer whose compiled
+    drafter forward contained it was still compiling Triton kernels after 2 minutes (docs/PERFORMANCE.md),
+    and eagerly it costs little."""
     from torch.nn.attention.flex_attention import BlockMask
 
     b, m = anchors.shape
