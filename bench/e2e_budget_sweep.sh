@@ -31,7 +31,7 @@ for budget in $budgets; do
 import datetime, json, sys
 budget, rc, wall, metrics, smi = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 try:
-    records = [json.loads(x) for x in open(metrics) if x.strip()]
+    records = [r for x in open(metrics) if x.strip() and (r := json.loads(x)).get("kind") != "eval"]
 except OSError:
     records = []
 util = None

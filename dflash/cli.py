@@ -8,7 +8,7 @@ import logging
 import sys
 import traceback
 
-from dflash.errors import BadInput
+from dflash.errors import BadInput, DflashError
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -30,6 +30,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="run dir, checkpoints dir or step-N dir")
     e.add_argument("out", help="new output directory")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+    v = sub.add_parser("eval", help="real speculative decoding with the target and a drafter: acceptance length, "
+                       "speedup, losslessness")
+    v.add_argument("config", help="the run's YAML config (target, tokenizer, held-out data)")
+    v.add_argument("drafter", help="run dir, checkpoints dir, step-N dir or export dir")
+    v.add_argument("overrides", nargs="*", help="key.path=value overrides of the config")
+    v.add_argument("--prompts", help="chat JSONL of prompts (default: the run's held-out split)")
+    v.add_argument("--num-prompts", type=int, default=32)
+    v.add_argument("--max-new-tokens", type=int, default=256)
+    v.add_argument("--thinking", choices=["keep", "strip", "disable"], default="keep",
+                   help="disable: render --prompts with enable_thinking=False (Qwen3-class templates)")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    v.add_argument("--out", help="also write the JSON report to this file")
 
     # Parsed by dflash.ops.cli (its own options and exit codes); listed here for --help.
     sub.add_parser("ops", help="train/status/stop/logs of the training containers through ansible-runner",
@@ -75,6 +88,16 @@ def _cmd_export(args) -> int:
     return EXIT_OK
 
 
+def _cmd_eval(args) -> int:
+    from dflash.evaluate import run_eval
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise BadInput("--num-prompts and --max-new-tokens must be >= 1")
+    return run_eval(args.config, args.drafter, args.overrides, prompts_file=args.prompts,
+                    num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, as_json=args.json,
+                    out=args.out, thinking=args.thinking)
+
+
 def _cmd_synth(args) -> int:
     from dflash.data.synthetic import generate_conversations, write_jsonl
 
@@ -91,12 +114,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return ops_main(argv[1:])
     args = _parser().parse_args(argv)
-    handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "synth-data": _cmd_synth}
+    handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "eval": _cmd_eval,
+               "synth-data": _cmd_synth}
     try:
         return handler[args.command](args)
     except BadInput as exc:
         print(f"dflash: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except DflashError as exc:  # a failure the message explains (e.g. speculative decoding not lossless)
+        print(f"dflash: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_FAILURE
     except Exception:

@@ -39,7 +39,9 @@ class RunObserver:
         atomic_write_json(self.heartbeat_path, {"step": step, "epoch": epoch, "time": time.time(),
                                                 "pid": os.getpid(), "status": status,
                                                 "loss": extra.get("loss"), "tau": extra.get("tau"),
-                                                "tokens_per_s": extra.get("tokens_per_s")})
+                                                "tokens_per_s": extra.get("tokens_per_s"),
+                                                **{k: v for k, v in extra.items()
+                                                   if k not in ("loss", "tau", "tokens_per_s")}})
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -63,6 +65,18 @@ class RunObserver:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
             for k, a in enumerate(acc):
                 self._tb.add_scalar(f"acc/pos{k + 1}", a, step)
+            self._tb.flush()
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """An eval record: one JSON line (`"kind": "eval"`) in metrics.jsonl and TensorBoard `eval/*` scalars."""
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps({"kind": "eval", **record, "time": time.time()}) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"eval/{key}", value, record["step"])
             self._tb.flush()
 
     def event(self, message: str) -> None:

@@ -7,6 +7,7 @@ Distributed topologies (dflash.distributed) reuse these pieces.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -63,8 +64,13 @@ def load_tokenizer(config: RunConfig):
     return tok
 
 
-def load_datasets(config: RunConfig, tokenizer) -> tuple[TokenizedSet, TokenizedSet | None]:
+def load_datasets(config: RunConfig, tokenizer, target: Target | None = None
+                  ) -> tuple[TokenizedSet, TokenizedSet | None]:
+    """Train and held-out sets; with data.regenerate, their assistant turns are the target's own answers."""
     d = config.data
+    if d.regenerate is not None and target is None:
+        raise BadInput("data.regenerate needs the target in this process (colocated ranks); regenerate the data "
+                       "with `dflash regenerate` and set data.train_path instead")
     if d.synthetic is not None:
         from dflash.data.synthetic import generate_conversations
 
@@ -73,19 +79,77 @@ def load_datasets(config: RunConfig, tokenizer) -> tuple[TokenizedSet, Tokenized
         convs = [row["messages"] for row in
                  generate_conversations(s.num_samples, vocab_words, s.min_length, s.max_length, s.strides, s.seed)]
         n_eval = int(len(convs) * d.eval_fraction)
-        train = tokenize_conversations(tokenizer, convs[n_eval:], d.max_length, d.min_loss_tokens, "synthetic")
-        evalset = (tokenize_conversations(tokenizer, convs[:n_eval], d.max_length, d.min_loss_tokens,
-                                          "synthetic-eval") if n_eval else None)
+        train_convs, eval_convs = convs[n_eval:], convs[:n_eval]
+        if d.regenerate is not None:
+            train_convs = regenerated(config, "synthetic-train", train_convs, tokenizer, target)
+            eval_convs = regenerated(config, "synthetic-eval", eval_convs, tokenizer, target) if n_eval else []
+        train = tokenize_conversations(tokenizer, train_convs, d.max_length, d.min_loss_tokens, "synthetic")
+        evalset = (tokenize_conversations(tokenizer, eval_convs, d.max_length, d.min_loss_tokens,
+                                          "synthetic-eval") if eval_convs else None)
     else:
         cache = d.cache_dir or str(Path(config.output_dir) / ".token-cache")
-        train = load_tokenized(d.train_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
-        evalset = (load_tokenized(d.eval_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
-                   if d.eval_path else None)
+        train_path, eval_path = d.train_path, d.eval_path
+        if d.regenerate is not None:
+            from dflash.data.chat import read_jsonl
+
+            train_path = regenerated_file(config, train_path, read_jsonl(train_path), tokenizer, target)
+            if eval_path:
+                eval_path = regenerated_file(config, eval_path, read_jsonl(eval_path), tokenizer, target)
+        train = load_tokenized(train_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
+        evalset = (load_tokenized(eval_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
+                   if eval_path else None)
     if len(train) == 0:
         raise DataError(f"no training sample has at least data.min_loss_tokens={d.min_loss_tokens} assistant "
                         f"tokens ({train.dropped_few_loss_tokens} dropped); lower data.min_loss_tokens or check "
                         "that the data has assistant turns")
     return train, evalset
+
+
+def _regen_path(config: RunConfig, name: str, conversations, tokenizer) -> Path:
+    """A file under output_dir/regenerated/ keyed by everything that decides the answers."""
+    import hashlib
+    import json
+
+    from dflash.data.chat import tokenizer_fingerprint
+
+    key = json.dumps([config.target.path, config.target.random_init, config.target.dtype, config.seed,
+                      dataclasses.asdict(config.data.regenerate), tokenizer_fingerprint(tokenizer),
+                      conversations], sort_keys=True, default=str)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(config.output_dir) / "regenerated" / f"{Path(name).stem}-{digest}.jsonl"
+
+
+def regenerated(config: RunConfig, name: str, conversations, tokenizer, target: Target) -> list:
+    """The conversations with every assistant turn answered by the target (cached on disk across restarts)."""
+    import json
+
+    from dflash.data.chat import read_jsonl
+    from dflash.data.synthetic import write_jsonl
+
+    path = _regen_path(config, name, conversations, tokenizer)
+    if path.is_file():
+        return read_jsonl(path)
+    from dflash.regenerate import SamplingParams, TransformersBackend, regenerate_conversations
+
+    r = config.data.regenerate
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                            seed=config.seed, thinking=r.thinking)
+    t0 = time.time()
+    backend = TransformersBackend(target.model, tokenizer, batch_size=r.batch_size)
+    with target.capture_all():  # the whole forward (the tapping hooks must not stop it)
+        out, stats = regenerate_conversations(conversations, backend, params)
+    rows = [{"messages": conv} for conv in out if conv is not None]
+    if not rows:
+        raise DataError(f"regeneration of {name} produced no conversation (all prompts skipped as too long?)")
+    write_jsonl(path, rows)
+    log.info("regenerated %s: %s", name, json.dumps(getattr(stats, "__dict__", {}), default=str))
+    print(f"regenerated {len(rows)} {name} answers with the target in {time.time() - t0:.1f}s -> {path}", flush=True)
+    return [row["messages"] for row in rows]
+
+
+def regenerated_file(config: RunConfig, path: str, conversations, tokenizer, target: Target) -> str:
+    regenerated(config, path, conversations, tokenizer, target)
+    return str(_regen_path(config, path, conversations, tokenizer))
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -144,11 +208,13 @@ class Trainer:
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
         self.observer.heartbeat(0, 0, "starting")
         self.tokenizer = load_tokenizer(c)
-        self.train_set, self.eval_set = load_datasets(c, self.tokenizer)
+        self.target = self._load_target() if with_target else None
+        self.train_set, self.eval_set = load_datasets(c, self.tokenizer, self.target)
+        if self.target is not None:
+            check_token_range(self.train_set, self.target.vocab_size)
         self.observer.event(f"data: {len(self.train_set)} training samples ({self.train_set.dropped_few_loss_tokens} "
                             f"dropped with < {c.data.min_loss_tokens} loss tokens, {self.train_set.truncated} "
                             f"truncated to {c.data.max_length}); eval: {len(self.eval_set) if self.eval_set else 0}")
-        self.target = self._load_target() if with_target else None
         self.sampler = RoundRobinBatchSampler(self.train_set.lengths(), c.data.token_budget, c.data.bucket_size,
                                               c.data.max_length, seed=c.seed, rank=self.rank,
                                               world_size=self.world_size, multiple_of=c.optim.grad_accum)
@@ -176,7 +242,6 @@ class Trainer:
                            "install flash-linear-attention and causal-conv1d (the `kernels` role, or "
                            "`pip install dflash-trainer[gpu]` + a causal-conv1d build) or set "
                            "target.allow_slow_path=true")
-        check_token_range(self.train_set, target.vocab_size)
         return target
 
     def _mask_token_id(self, vocab_size: int) -> int:
@@ -445,12 +510,21 @@ class Trainer:
         if not stopped:
             ev = self._report_eval()
             if ev is not None:
-                result["eval_tau"] = ev.tau
-                result["eval_acc"] = ev.accuracy
+                result["eval_tau"] = ev["tau"]
+                result["eval_acc"] = ev["acc"]
+                if "acceptance_length" in ev:
+                    result["eval_acceptance_length"] = ev["acceptance_length"]
+                    result["eval_lossless"] = ev["lossless"]
         self.observer.heartbeat(self.step, epoch, "stopped" if stopped else "finished",
-                                loss=last.get("loss"), tau=last.get("tau"))
+                                loss=last.get("loss"), tau=last.get("tau"), **self._eval_beat())
         self.observer.close()
         return result
+
+    def _eval_beat(self) -> dict[str, Any]:
+        """The last eval's numbers for the heartbeat (simulated tau and the real acceptance length)."""
+        ev = getattr(self, "last_eval", None) or {}
+        return {"eval_step": ev.get("step"), "eval_tau": ev.get("tau"),
+                "eval_acceptance_length": ev.get("acceptance_length")}
 
     def reduce_stats(self, loss_sum: float, n: int, tokens: int, stats: BlockStats):
         """Hook for data-parallel ranks to sum their windows; single process: identity."""
@@ -471,15 +545,42 @@ class Trainer:
         record["input_frac"] = min(window.get("input_s", 0.0) / elapsed, 1.0)
         self.observer.log(record)
         self.observer.heartbeat(self.step, epoch, "training", loss=record["loss"], tau=record["tau"],
-                                tokens_per_s=record["tokens_per_s"])
+                                tokens_per_s=record["tokens_per_s"], **self._eval_beat())
         return record
 
-    def _report_eval(self) -> BlockStats | None:
+    def _report_eval(self) -> dict[str, Any] | None:
+        """Simulated tau on the held-out set, and the real acceptance length of speculative decoding."""
         stats = self.evaluate()
-        if stats is not None:
-            self.observer.event(f"eval step {self.step}: tau {stats.tau:.3f} acc@1 {stats.accuracy[0]:.3f}")
-            self.observer.scalar("eval/tau", stats.tau, self.step)
-        return stats
+        if stats is None:
+            return None
+        record: dict[str, Any] = {"step": self.step, "tau": stats.tau, "acc": stats.accuracy}
+        real = self.speculative_eval()
+        if real is not None:
+            record.update(acceptance_length=real.acceptance_length, lossless=real.lossless,
+                          prompts=len(real.prompts), speedup=real.speedup)
+        text = f"eval step {self.step}: simulated tau {stats.tau:.3f} acc@1 {stats.accuracy[0]:.3f}"
+        if real is not None:
+            text += (f"; real acceptance length {real.acceptance_length:.3f} over {len(real.prompts)} prompts "
+                     f"(lossless {sum(p.lossless for p in real.prompts)}/{len(real.prompts)})")
+        self.observer.event(text)
+        self.observer.log_eval(record)
+        self.last_eval = record
+        return record
+
+    def speculative_eval(self):
+        """Real greedy speculative decoding of a few held-out prompts (eval.*); None when off or impossible."""
+        from dflash.evaluate import eos_ids_of, evaluate_speculative, prompts_from_tokenized
+
+        e = self.config.eval
+        if not e.speculative_prompts or self.target is None or self.eval_set is None or not self.is_reporter:
+            return None
+        prompts = prompts_from_tokenized(self.eval_set, e.speculative_prompts)
+        if not prompts:
+            return None
+        drafter = getattr(self.drafter, "_orig_mod", self.drafter)
+        with torch.no_grad(), self.autocast():
+            return evaluate_speculative(self.target, drafter, prompts, e.max_new_tokens, eos_ids_of(self.tokenizer),
+                                        vocab_limit=len(self.tokenizer), check_lossless=False)
 
 
 def train(config: RunConfig) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class Target(nn.Module):
         owner_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
         self.backbone = model.get_submodule(owner_name) if owner_name else model
         self._captured: dict[int, torch.Tensor] = {}
+        self._stop_early = True  # False inside `capture_all()`: the whole forward runs (decoding)
         self._handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
 
     def _hook(self, index: int):
@@ -103,10 +105,27 @@ class Target(nn.Module):
         def hook(_module, _inputs, output):
             hidden = output[0] if isinstance(output, tuple) else output
             self._captured[index] = hidden
-            if deepest:
+            if deepest and self._stop_early:
                 raise _StopForward
 
         return hook
+
+    @contextlib.contextmanager
+    def capture_all(self):
+        """Within: a call of `self.model` runs to the logits and records the tapped states on the way
+        (`captured_features()`): what speculative decoding needs from one verify forward."""
+        self._captured.clear()
+        self._stop_early = False
+        try:
+            yield self
+        finally:
+            self._stop_early = True
+            self._captured.clear()
+
+    def captured_features(self) -> torch.Tensor:
+        out = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return out
 
     @property
     def embed_tokens(self) -> nn.Embedding:

@@ -80,7 +80,7 @@ def finish(proc: subprocess.Popen, limit: float) -> tuple[int, str, float]:
 
 def losses(output_dir: Path) -> dict[int, float]:
     rows = [json.loads(x) for x in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
+    return {r["step"]: r["loss"] for r in rows if r.get("kind") != "eval"}
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
