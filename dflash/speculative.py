@@ -30,6 +30,7 @@ may pick different tokens; `dflash.evaluate` tells such ties from real mismatche
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,15 +62,18 @@ class TargetSession:
         self.cache = None
         self.length = 0  # tokens the cache holds
         self._linear = _linear_layer_mixin()
+        # transformers renamed `past_key_values` to `cache` (5.2x); an unknown name would be swallowed by **kwargs
+        params = inspect.signature(type(self.model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def _forward(self, ids: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (L, V) and tapped features (L, n*H) of `ids` (1, L) appended at position `self.length`."""
         positions = torch.arange(self.length, self.length + ids.shape[1], device=self.device)[None]
         with self.target.capture_all():
-            out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True,
-                             logits_to_keep=logits_to_keep)
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep,
+                             **{self._cache_kwarg: self.cache})
             feats = self.target.captured_features()
-        self.cache = getattr(out, "cache", None) or out.past_key_values
+        self.cache = out.cache if self._cache_kwarg == "cache" else out.past_key_values
         self.length += ids.shape[1]
         return out.logits[0], feats[0]
 
