@@ -148,7 +148,15 @@ tokens_per_s:
   returned: always
   type: float
 tau:
-  description: Heartbeat simulated acceptance length.
+  description: Heartbeat simulated acceptance length (on the training data).
+  returned: always
+  type: float
+eval_tau:
+  description: Simulated acceptance length on the held-out data at the last eval, or null before one.
+  returned: always
+  type: float
+acceptance_length:
+  description: Real acceptance length (greedy speculative decoding with the target) at the last eval, or null.
   returned: always
   type: float
 heartbeat:

@@ -208,6 +208,11 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
             f"heartbeat: step={hb.get('step')} epoch={hb.get('epoch')} status={hb.get('status')} "
             f"loss={hb.get('loss')} tau={hb.get('tau')} tokens/s={hb.get('tokens_per_s')} age={age:.0f}s"
         )
+        if hb.get("eval_step") is not None:
+            lines.append(
+                f"last eval (step {hb.get('eval_step')}): simulated tau={hb.get('eval_tau')} "
+                f"real acceptance length={hb.get('eval_acceptance_length')} (speculative decoding with the target)"
+            )
     else:
         lines.append(f"heartbeat: {obs.get('heartbeat_error')}")
     if obs.get("gpus") or obs.get("gpu_error"):
@@ -253,6 +258,8 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         "loss": hb.get("loss"),
         "tokens_per_s": hb.get("tokens_per_s"),
         "tau": hb.get("tau"),
+        "eval_tau": hb.get("eval_tau"),
+        "acceptance_length": hb.get("eval_acceptance_length"),
         "heartbeat": obs.get("heartbeat"),
         "gpus": obs.get("gpus", []),
         "gpu_processes": obs.get("gpu_processes", []),

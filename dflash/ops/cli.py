@@ -26,7 +26,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 _HELP = {
     "train": "provision the containers, launch the trainer, prove it trains (playbooks/train.yml)",
     "deploy": "deploy and (re)start the job in provisioned containers, prove it trains (playbooks/deploy.yml)",
-    "status": "unit state, pid, step, tokens/s, tau, GPU memory and log tail of every job",
+    "status": "unit state, pid, step, tokens/s, tau, real acceptance length, GPU memory and log tail of every job",
     "stop": "stop every job (SIGTERM, checkpoint; SIGKILL after the timeout) and wait for its GPUs",
     "logs": "the last lines of every job's log; --follow keeps reading",
 }
@@ -107,7 +107,7 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
         table.add_column("container", no_wrap=True, min_width=max(len(h) for h in result.containers))
         table.add_column("state", no_wrap=True, min_width=11)
         table.add_column("unit", overflow="fold")
-        for column in ("pid", "exit", "step", "tok/s", "tau"):
+        for column in ("pid", "exit", "step", "tok/s", "tau", "accept"):  # tau: simulated; accept: real
             table.add_column(column, justify="right")
         table.add_column("GPU MiB", overflow="fold")
         for c in result.containers.values():
@@ -117,7 +117,7 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
                 unit += f" ({c.action})"
             table.add_row(escape(c.host), f"[{style}]{c.state}[/]" if style else c.state, escape(unit), _fmt(c.pid),
                           _fmt(c.exit_status), _fmt(c.step), _fmt(c.tokens_per_s, ".0f"), _fmt(c.tau, ".3f"),
-                          escape(_gpu_memory(c)))
+                          _fmt(c.acceptance_length, ".2f"), escape(_gpu_memory(c)))
         console.print(table)
     for c in result.containers.values():
         if show_logs and c.log_tail:

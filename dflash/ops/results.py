@@ -82,7 +82,8 @@ class ContainerStatus:
     epoch: int | None = None
     loss: float | None = None
     tokens_per_s: float | None = None
-    tau: float | None = None
+    tau: float | None = None  # simulated, on the training data (docs/evaluation.md)
+    acceptance_length: float | None = None  # real, speculative decoding with the target at the last eval
     gpus: list[GpuMemory] = field(default_factory=list)
     log_path: str | None = None
     log_tail: list[str] = field(default_factory=list)
@@ -168,6 +169,8 @@ def _describe(c: ContainerStatus) -> str:
         bits.append(f"{c.tokens_per_s:.0f} tok/s")
     if c.tau is not None:
         bits.append(f"tau {c.tau:.2f}")
+    if c.acceptance_length is not None:
+        bits.append(f"real acceptance {c.acceptance_length:.2f}")
     if c.state in (STOPPED, FAILED) and c.exit_status is not None:
         bits.append(f"exit status {c.exit_status}")
     return ", ".join(bits)
@@ -308,7 +311,7 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
     container.finished = bool(res.get("finished"))
     container.failed_invariants = list(res.get("failed_invariants") or [])
     container.diagnosis = health_diagnosis(res)
-    for key in ("step", "epoch", "loss", "tokens_per_s", "tau"):
+    for key in ("step", "epoch", "loss", "tokens_per_s", "tau", "acceptance_length"):
         setattr(container, key, res.get(key))
     if res.get("gpus"):
         container.gpus = _gpus(res["gpus"])

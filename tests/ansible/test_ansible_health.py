@@ -136,6 +136,17 @@ def test_finished_job_is_healthy(tmp_path):
     inactive = {**ACTIVE, "active_state": "inactive", "sub_state": "dead", "main_pid": None, "exit_status": 0}
     result = check_health(LocalHost(), params(tmp_path), lambda: dict(inactive))
     assert result["healthy"] and result["finished"] and "(finished)" in result["diagnosis"]
+    assert result["acceptance_length"] is None and "last eval" not in result["diagnosis"]
+
+
+def test_last_eval_reports_the_real_acceptance_length_beside_the_simulated_tau(tmp_path):
+    (tmp_path / "job.log").write_text("done\n")
+    write_heartbeat(tmp_path / "heartbeat.json", 100, status="finished", age=10, eval_step=100, eval_tau=6.7,
+                    eval_acceptance_length=1.25)
+    inactive = {**ACTIVE, "active_state": "inactive", "sub_state": "dead", "main_pid": None, "exit_status": 0}
+    result = check_health(LocalHost(), params(tmp_path), lambda: dict(inactive))
+    assert result["acceptance_length"] == 1.25 and result["eval_tau"] == 6.7
+    assert "last eval (step 100): simulated tau=6.7 real acceptance length=1.25" in result["diagnosis"]
 
 
 def test_trainer_reported_failure(tmp_path):
