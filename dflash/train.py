@@ -506,7 +506,7 @@ class Trainer:
         if not self.ckpt.list() or self.ckpt.list()[-1] != self.ckpt.path_for(self.step):
             self.save_checkpoint()
         stopped = self.stop_requested and self.step < self.total_steps
-        result = {"step": self.step, "epoch": epoch, "stopped": stopped, **last}
+        result = {**last, "step": self.step, "epoch": epoch, "stopped": stopped}  # the real step, not the last log's
         if not stopped:
             ev = self._report_eval()
             if ev is not None:
