@@ -1,4 +1,10 @@
-"""Export a checkpoint as a serving-engine drafter directory (config.json + model.safetensors)."""
+"""Export a checkpoint as a serving drafter directory: config.json + model.safetensors + modeling_dflash.py.
+
+The layout is that of the public DFlash checkpoints (e.g. z-lab/Qwen3-8B-DFlash-b16): `architectures:
+["DFlashDraftModel"]`, `model_type: qwen3`, `block_size` and `dflash_config: {target_layer_ids, mask_token_id,
+block_size}`, and an `auto_map` that points transformers at the shipped modeling file, so that
+`AutoModel.from_pretrained(OUT, trust_remote_code=True)` loads it (docs/serving.md).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ from dflash.errors import BadInput
 from dflash.models.drafter import Drafter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "modeling_dflash.py"
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -38,13 +46,21 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise BadInput(f"export target '{out}' exists and is not empty; choose a new directory")
-    drafter = Drafter.load(src).to(DTYPES[dtype])
+    if dtype not in DTYPES:
+        raise BadInput(f"export dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+    try:
+        drafter = Drafter.load(src).to(DTYPES[dtype])
+    except (ValueError, KeyError, OSError) as exc:
+        raise BadInput(f"checkpoint '{src}' could not be loaded as a drafter: {exc}") from None
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         drafter.save(tmp)
         meta = json.loads((tmp / "config.json").read_text())
         meta["dflash_exported_from"] = src.name
+        meta["auto_map"] = dict(AUTO_MAP)
+        meta["dtype"] = dtype  # transformers 5 name; `torch_dtype` (4.x) stays for older readers
+        shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
             out.rmdir()
@@ -53,3 +69,31 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def load_init_drafter(path: str | os.PathLike, expected: dict[str, tuple[str, object]]) -> Drafter:
+    """`drafter.init_from`: an exported drafter, a checkpoint, a checkpoints or a run directory, as float32.
+
+    `expected` maps a field of the drafter's architecture to (the config key it must agree with, its value);
+    a difference is a BadInput naming both, e.g. "drafter.init_from 'X' has block_size 8 but
+    drafter.block_size is 16".
+    """
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"drafter.init_from '{p}' does not exist; point it at an exported drafter directory "
+                       "(config.json + model.safetensors), a step-NNNNNNNN checkpoint or a run directory")
+    try:
+        src = resolve_checkpoint(p)
+    except BadInput as exc:
+        raise BadInput(f"drafter.init_from: {exc}") from None
+    try:
+        drafter = Drafter.load(src)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise BadInput(f"drafter.init_from '{src}' could not be loaded as a drafter: {exc}") from None
+    for field, (key, want) in expected.items():
+        got = getattr(drafter.arch, field)
+        if (list(got) if isinstance(got, list | tuple) else got) != want:
+            fix = f"set {key.split(' (')[0]} to match the drafter" if key.startswith(("drafter.", "target.")) else (
+                "start from a drafter trained for this target")
+            raise BadInput(f"drafter.init_from '{src}' has {field} {got} but {key} is {want}; {fix}")
+    return drafter.float()

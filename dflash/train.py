@@ -258,17 +258,25 @@ class Trainer:
 
     def _build_drafter(self) -> None:
         c = self.config
-        from transformers import AutoConfig
+        from dflash.models.target import target_config
 
-        if c.target.random_init is not None:
-            spec = dict(c.target.random_init)
-            tcfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
-        else:
-            tcfg = AutoConfig.from_pretrained(c.target.path, local_files_only=True)
-        vocab = self.target.vocab_size if self.target is not None else (
-            getattr(tcfg, "text_config", None) or tcfg).vocab_size
-        if c.drafter.init_from:
-            self.drafter = Drafter.load(c.drafter.init_from)
+        tcfg = target_config(c.target.path, c.target.random_init)
+        text_cfg = getattr(tcfg, "text_config", None) or tcfg
+        vocab = self.target.vocab_size if self.target is not None else text_cfg.vocab_size
+        if c.drafter.init_from:  # must agree with this config: what it trains is the config's drafter
+            from dflash.export import load_init_drafter
+
+            mask_key = "drafter.mask_token_id" if c.drafter.mask_token_id is not None else (
+                "drafter.mask_token_id (unset: the tokenizer's mask or pad token)")
+            expected = {"block_size": ("drafter.block_size", c.drafter.block_size),
+                        "num_hidden_layers": ("drafter.num_layers", c.drafter.num_layers),
+                        "target_layer_ids": ("target.layer_ids (resolved)", list(self.layer_ids)),
+                        "mask_token_id": (mask_key, self._mask_token_id(vocab)),
+                        "hidden_size": ("the target's hidden_size", int(text_cfg.hidden_size))}
+            for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):  # when set
+                if getattr(c.drafter, key) is not None:
+                    expected[key] = (f"drafter.{key}", getattr(c.drafter, key))
+            self.drafter = load_init_drafter(c.drafter.init_from, expected)
         else:
             arch = arch_from_target(tcfg, num_layers=c.drafter.num_layers, block_size=c.drafter.block_size,
                                     layer_ids=self.layer_ids, mask_token_id=self._mask_token_id(vocab),

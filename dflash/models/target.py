@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -181,28 +182,69 @@ class Target(nn.Module):
         return sorted({n for n in names if any(w in n.lower() for w in wanted)})[:8]
 
 
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def target_config(path: str | None, random_init: dict[str, Any] | None) -> Any:
+    """The target's transformers config, without weights; errors are one-line BadInput naming the key."""
+    from transformers import AutoConfig
+
+    if random_init is not None:
+        spec = dict(random_init)
+        model_type = spec.pop("model_type")
+        try:
+            return AutoConfig.for_model(model_type, **spec)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise BadInput(f"target.random_init: transformers cannot build a '{model_type}' config: "
+                           f"{_one_line(exc)}") from None
+    p = Path(str(path))
+    if not p.is_dir():
+        raise BadInput(f"target.path '{path}' is not a directory; point it at a local Hugging Face model "
+                       "directory (dflash never downloads weights)")
+    if not (p / "config.json").is_file():
+        raise BadInput(f"target.path '{path}' holds no config.json: it is not a Hugging Face model directory "
+                       "(expected config.json, the weights (*.safetensors) and the tokenizer files)")
+    try:
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"target.path '{path}': its config.json is not a transformers model config: "
+                       f"{_one_line(exc)}") from None
+    if "DFlashDraftModel" in (getattr(config, "architectures", None) or []):
+        raise BadInput(f"target.path '{path}' is a DFlash drafter, not a target model; point target.path at the "
+                       "target (e.g. a Qwen3-8B directory) and the drafter at drafter.init_from")
+    return config
+
+
 def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: str,
                    attn_implementation: str | None = None, seed: int = 0,
                    device: torch.device | str = "cpu") -> nn.Module:
-    """Weights are created (or loaded) directly on `device`: a random 8B init on the CPU takes minutes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A random init is created directly on `device` (a random 8B init on the CPU takes minutes).
+
+    A checkpoint is read with transformers' default loader, which memory-maps the safetensors files (the
+    parameters stay file-backed pages, not copies in process memory), then moved to `device`. No
+    `device_map`: transformers 5 requires `accelerate` for any device_map (a single device too), and dflash
+    does not depend on it; the copy to the GPU reads those pages once.
+    """
+    from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    config = target_config(path, random_init)
     if path is not None:
         try:
-            return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, device_map=str(device),
-                                                        **kwargs)
-        except (OSError, ValueError) as exc:
-            raise BadInput(f"target.path '{path}' could not be loaded as a causal LM: {exc}") from None
-    assert random_init is not None
-    spec = dict(random_init)
-    model_type = spec.pop("model_type")
-    try:
-        config = AutoConfig.for_model(model_type, **spec)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise BadInput(f"target.random_init: transformers cannot build a '{model_type}' config: {exc}") from None
+            model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                               output_loading_info=True, **kwargs)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise BadInput(f"target.path '{path}' could not be loaded as a causal LM: {_one_line(exc)}") from None
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:
+            raise BadInput(f"target.path '{path}': its weights lack {len(missing)} tensors of "
+                           f"{type(model).__name__} (e.g. {', '.join(missing[:3])}); point target.path at the "
+                           "complete model directory")
+        return model.to(device)
     devices_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -215,13 +257,4 @@ def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: 
 
 def num_layers_of(path: str | None, random_init: dict[str, Any] | None) -> int:
     """Depth of the target without loading weights (for config validation)."""
-    if random_init is not None:
-        from transformers import AutoConfig
-
-        spec = dict(random_init)
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    return int(_text_config(config).num_hidden_layers)
+    return int(_text_config(target_config(path, random_init)).num_hidden_layers)
