@@ -1,8 +1,12 @@
-"""dflash.ops.train, then status, logs and stop, against the local LXC container (inventories/local).
+"""dflash.ops.train, then status, logs and stop, against a local LXC container of the test's own.
 
 The real thing: train.yml creates/starts the container, provisions it and launches
 the tiny CPU run as a systemd unit inside it; the API must report it training,
 then stopped with exit status 0 (the trainer checkpoints on SIGTERM).
+
+The test never touches the user's deployment (`dflash-local` of inventories/local): it writes an inventory
+for its own container and job (same group_vars), destroys that container at the end, and checks that
+`dflash-local` is in the state it found it.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash import ops
 from dflash.ops import cli as ops_cli
 
 ROOT = Path(__file__).resolve().parents[2]
-INVENTORY = ROOT / "inventories" / "local"
-CONTAINER = "dflash-local"
+USER_CONTAINER = "dflash-local"
+CONTAINER = "dflash-ops-test"
 
 
 def _why_not() -> str | None:
@@ -42,7 +48,42 @@ pytestmark = [
 ]
 
 
-def test_train_status_logs_stop_in_the_local_container(capsys):
+def _lxc_state(name: str) -> str:
+    """`RUNNING`, `STOPPED`, or `absent`."""
+    proc = subprocess.run(["lxc-info", "-n", name, "-s"], capture_output=True, text=True)
+    return proc.stdout.split()[-1] if proc.returncode == 0 and proc.stdout.split() else "absent"
+
+
+def _user_job_fingerprint() -> tuple:
+    """The user's container state and its job's heartbeat (content), as far as they exist."""
+    heartbeat = Path(f"/var/lib/lxc/{USER_CONTAINER}/rootfs/var/lib/dflash/runs/dflash-tiny/heartbeat.json")
+    state = _lxc_state(USER_CONTAINER)
+    # a running job's heartbeat advances by itself: compare its step only when the container is stopped
+    beat = heartbeat.read_text() if heartbeat.is_file() and state != "RUNNING" else None
+    return state, beat
+
+
+@pytest.fixture
+def inventory(tmp_path):
+    """inventories/local with the test's own container and job name."""
+    inv = tmp_path / "inventory"
+    inv.mkdir()
+    hosts = yaml.safe_load((ROOT / "inventories" / "local" / "hosts.yml").read_text())
+    containers = hosts["all"]["children"]["dflash_containers"]["hosts"]
+    spec = containers.pop(USER_CONTAINER)
+    containers[CONTAINER] = {**spec, "ansible_host": CONTAINER, "dflash_job_name": "dflash-ops-test"}
+    (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    shutil.copytree(ROOT / "inventories" / "local" / "group_vars", inv / "group_vars")
+    before = _user_job_fingerprint()
+    yield inv
+    subprocess.run(["lxc-stop", "-n", CONTAINER, "-k"], capture_output=True)
+    subprocess.run(["lxc-destroy", "-n", CONTAINER, "-f"], capture_output=True)
+    assert _lxc_state(CONTAINER) == "absent"
+    assert _user_job_fingerprint() == before, "the test changed the user's dflash-local container or job"
+
+
+def test_train_status_logs_stop_in_a_container_of_its_own(inventory, capsys):
+    INVENTORY = inventory
     trained = ops.train(INVENTORY, progress=False)
     assert trained.ok, trained.message
     job = trained.containers[CONTAINER]
