@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,10 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
+TMP_PREFIX = ".tmp-"  # .tmp-step-NNNNNNNN-PID: a save in progress (or killed)
+OLD_PREFIX = ".old-"  # .old-step-NNNNNNNN-PID: the previous copy of a step being re-saved
+LATEST_TMP_PREFIX = ".latest.tmp-"
+PROBE_PREFIX = ".write-test-"
 
 
 def ensure_writable(directory: str | os.PathLike) -> Path:
@@ -26,7 +31,7 @@ def ensure_writable(directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}"
+        probe = directory / f"{PROBE_PREFIX}{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
@@ -59,10 +64,17 @@ class CheckpointManager:
             for p in [*files, tmp / MANIFEST]:
                 _fsync_path(p)
             _fsync_path(tmp)
+            old = None
             if final.exists():  # re-saving the same step (e.g. SIGTERM right after an interval save)
-                shutil.rmtree(final)
+                # moved aside, not deleted, until the new copy is in place: a kill between the two renames
+                # leaves two complete copies under temp names, and `recover()` puts one back
+                old = self.dir / f"{OLD_PREFIX}{final.name}-{os.getpid()}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
             os.rename(tmp, final)
             _fsync_path(self.dir)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -81,6 +93,47 @@ class CheckpointManager:
         for old in self.list()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def recover(self) -> list[str]:
+        """At start: finish or undo what a killed save left behind; returns what was done (for the log).
+
+        A temp dir of a killed save is removed, unless it is a complete copy of a step that is missing (a kill
+        between the renames of a re-save): then it is renamed into place. Step directories are never removed
+        here, and the `latest` pointer is set to the newest intact checkpoint when it lags behind it."""
+        done: list[str] = []
+        if not self.dir.is_dir():
+            return done
+        for entry in sorted(self.dir.iterdir()):
+            name = entry.name
+            if not name.startswith((TMP_PREFIX, OLD_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX)):
+                continue
+            pid = name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+                continue  # another live process is writing it
+            if name.startswith((LATEST_TMP_PREFIX, PROBE_PREFIX)):
+                entry.unlink(missing_ok=True)
+                continue
+            step_name = name.removeprefix(TMP_PREFIX).removeprefix(OLD_PREFIX).rsplit("-", 1)[0]
+            final = self.dir / step_name
+            if (entry.is_dir() and step_name.startswith(PREFIX) and not final.exists()
+                    and self.verify(entry) is None):
+                os.rename(entry, final)
+                done.append(f"restored {final.name} from {name}")
+            else:
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                done.append(f"removed {name}")
+        newest = self.latest_valid()
+        pointer = self.dir / "latest"
+        if newest is not None and (not pointer.is_file() or pointer.read_text().strip() != newest.name):
+            self._write_latest(newest.name)
+            done.append(f"latest -> {newest.name}")
+        if done:
+            _fsync_path(self.dir)
+            log.warning("checkpoints %s: recovered from an interrupted save: %s", self.dir, "; ".join(done))
+        return done
+
     def list(self) -> list[Path]:
         if not self.dir.is_dir():
             return []
@@ -88,31 +141,45 @@ class CheckpointManager:
 
     @staticmethod
     def verify(path: Path) -> str | None:
-        """None when intact, else the reason."""
+        """None when intact, else the reason. Any manifest that is not a mapping of every payload file to its
+        checksum (garbage, `[]`, `null`, `files` not a mapping, files left out) makes the checkpoint damaged."""
         manifest = path / MANIFEST
         if not manifest.is_file():
             return "no manifest (partial write)"
         try:
-            data = json.loads(manifest.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json.loads(manifest.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             return f"unreadable manifest ({exc})"
-        for name, digest in data.get("files", {}).items():
+        files = data.get("files") if isinstance(data, dict) else None
+        if not isinstance(files, dict) or not files:
+            return "manifest lists no files (damaged manifest)"
+        if not all(isinstance(k, str) and isinstance(v, str) and "/" not in k for k, v in files.items()):
+            return "manifest is malformed"
+        try:
+            present = {p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST}
+        except OSError as exc:
+            return f"unreadable directory ({exc.strerror})"
+        unlisted = sorted(present - set(files))
+        if unlisted:
+            return f"manifest does not list {', '.join(unlisted)} (damaged manifest)"
+        for name, digest in files.items():
             f = path / name
             if not f.is_file():
                 return f"missing {name}"
-            if _sha256(f) != digest:
-                return f"checksum mismatch in {name}"
+            try:
+                if _sha256(f) != digest:
+                    return f"checksum mismatch in {name}"
+            except OSError as exc:
+                return f"unreadable {name} ({exc.strerror})"
         return None
 
     def latest_valid(self) -> Path | None:
-        """Newest intact checkpoint; corrupt or partial ones are skipped with a warning."""
-        candidates = self.list()
-        pointer = self.dir / "latest"
-        if pointer.is_file():
-            named = self.dir / pointer.read_text().strip()
-            if named in candidates:  # prefer the pointer, then anything older
-                candidates = [c for c in candidates if c <= named]
-        for path in reversed(candidates):
+        """Newest intact checkpoint; corrupt or partial ones are skipped with a warning.
+
+        The `latest` pointer is not trusted to be current: a kill between the rename of a new checkpoint and
+        the pointer update leaves it one behind, and a renamed step directory is complete (renamed after its
+        manifest and fsync), so the newest intact directory wins."""
+        for path in reversed(self.list()):
             problem = self.verify(path)
             if problem is None:
                 return path
@@ -120,9 +187,25 @@ class CheckpointManager:
         return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def save_trainer_state(path: Path, state: dict[str, Any]) -> None:
     torch.save(state, path / "trainer_state.pt")
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+    """Loaded with weights_only=True: a checkpoint directory must not be able to run code on load."""
+    try:
+        return torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise BadInput(f"trainer state {path / 'trainer_state.pt'} holds objects that are not loaded for safety "
+                       f"({str(exc).splitlines()[0][:200]}); it was not written by this dflash: start a new "
+                       "output_dir, or export the drafter and continue from it with drafter.init_from") from None

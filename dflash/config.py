@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -299,9 +300,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist; pass the path of a YAML run config")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                              f"{exc.start})") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {exc}") from None
+            raise ConfigError(f"config file '{p}' is not valid YAML: {_yaml_error_line(exc)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
         data = loaded or {}
@@ -314,6 +318,14 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         _resolve_paths(config, Path(base_dir))
     validate(config)
     return config
+
+
+def _yaml_error_line(exc: yaml.YAMLError) -> str:
+    """One line: 'line L, column C: problem' (PyYAML's own text spans several lines)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{' '.join(str(problem).split())}"
 
 
 def _resolve_paths(config: RunConfig, base: Path) -> None:
@@ -338,6 +350,7 @@ def _require(cond: bool, message: str) -> None:
 def validate(config: RunConfig) -> None:
     """Checks that need no model. Model-dependent checks run in `validate_against_target`."""
     t, d, data, o = config.target, config.drafter, config.data, config.optim
+    _check_finite(config, "")
     _require(
         (t.path is None) != (t.random_init is None),
         "target: set exactly one of target.path (a local model directory) or target.random_init "
@@ -386,6 +399,13 @@ def validate(config: RunConfig) -> None:
     _require(config.eval.speculative_prompts >= 0, "eval.speculative_prompts must be >= 0 (0 = off)")
     _require(config.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
     _require(o.lr > 0, f"optim.lr must be > 0 (got {o.lr})")
+    _require(o.eps >= 0, f"optim.eps must be >= 0 (got {o.eps})")
+    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {o.weight_decay})")
+    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
+    _require(config.runtime.num_threads is None or config.runtime.num_threads >= 1,
+             f"runtime.num_threads must be >= 1 or null (got {config.runtime.num_threads})")
+    _require(config.runtime.peak_tflops is None or config.runtime.peak_tflops > 0,
+             f"runtime.peak_tflops must be > 0 or null (got {config.runtime.peak_tflops})")
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas: two numbers in [0, 1)")
     _require(0 <= o.warmup_ratio < 1, "optim.warmup_ratio must be in [0, 1)")
     _require(o.grad_clip > 0, "optim.grad_clip must be > 0")
@@ -396,6 +416,20 @@ def validate(config: RunConfig) -> None:
     _require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     _require(config.logging.interval >= 1, "logging.interval must be >= 1")
     validate_topology(config.topology)
+
+
+def _check_finite(node: Any, prefix: str) -> None:
+    """Every number of the config is finite: inf and NaN pass comparisons like `lr > 0` (NaN fails them all)."""
+    for f in dataclasses.fields(node):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key)
+            continue
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, v in items:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{key}{'' if i is None else f'[{i}]'} must be a finite number (got {v})")
 
 
 def validate_topology(top: TopologyConfig) -> None:
@@ -426,11 +460,12 @@ def validate_topology(top: TopologyConfig) -> None:
 
 
 def default_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """DESIGN §2: round(1 + i*(L-4)/(n-1)); Qwen3-8B (L=36), n=5 -> [1, 9, 17, 25, 33]."""
+    """DESIGN §2: round(1 + i*(L-4)/(n-1)) with Python's round() (halves to even, as the public reference and
+    SGLang): Qwen3-8B (L=36), n=5 -> [1, 9, 17, 25, 33]; L=94 -> [1, 24, 46, 68, 91]."""
     if n == 1:
         return [num_target_layers // 2]
     span = max(num_target_layers - 4, 0)
-    ids = [int(1 + i * span / (n - 1) + 0.5) for i in range(n)]
+    ids = [round(1 + i * span / (n - 1)) for i in range(n)]  # Python's round(), as the reference and SGLang
     return [min(i, num_target_layers - 1) for i in ids]
 
 

@@ -44,13 +44,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16") -> Path:
     src = resolve_checkpoint(checkpoint)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"export target '{out}' exists and is not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):
         raise BadInput(f"export target '{out}' exists and is not empty; choose a new directory")
     if dtype not in DTYPES:
         raise BadInput(f"export dtype '{dtype}' is not one of {', '.join(DTYPES)}")
     try:
         drafter = Drafter.load(src).to(DTYPES[dtype])
-    except (ValueError, KeyError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - e.g. a truncated model.safetensors (SafetensorError)
         raise BadInput(f"checkpoint '{src}' could not be loaded as a drafter: {exc}") from None
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -62,6 +64,10 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
         meta["dtype"] = dtype  # transformers 5 name; `torch_dtype` (4.x) stays for older readers
         shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        # readable by a serving engine running as another user, whatever the umask or the writer's mode
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

@@ -67,9 +67,11 @@ def _latch_signals() -> SignalLatch:
 
 
 def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> int:
+    # first of all (torch imports take a second): a stop while this process starts up starts nothing, or
+    # stops the trainer cleanly before its first step (its handler takes the latch over: `seen`)
+    latch = _latch_signals()
     apply_rendezvous_env(config)
     if under_torchrun():
-        _latch_signals()  # until the rank's own handler takes over
         return _run_worker(config)
     from dflash.distributed.topology import plan_ranks
 
@@ -77,9 +79,8 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
     if plan.world_size == 1:
         from dflash.train import train
 
-        _print_done(train(config))
+        _print_done(train(config))  # the trainer's handler takes the latch over (`seen`)
         return 0
-    latch = _latch_signals()  # a stop while this process starts up: start nothing
     from dflash.distributed.topology import check_devices, check_target_fits
 
     check_devices(config, plan)  # exit 2 before any process starts
@@ -119,7 +120,8 @@ def _hard_exit(code: int) -> None:
 
 
 def _print_done(result: dict) -> None:
-    print(f"done: step {result['step']}" + (" (stopped by signal, checkpoint saved)" if result.get("stopped") else ""),
+    saved = ", checkpoint saved" if result.get("step") else ""
+    print(f"done: step {result['step']}" + (f" (stopped by signal{saved})" if result.get("stopped") else ""),
           flush=True)
 
 

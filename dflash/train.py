@@ -176,6 +176,17 @@ def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + rank)
 
 
+def _python_rng_state() -> list:
+    version, internal, gauss_next = random.getstate()
+    return [version, list(internal), gauss_next]
+
+
+def _set_python_rng_state(state) -> None:
+    """From `_python_rng_state()` or an older checkpoint's `random.getstate()` tuple."""
+    version, internal, gauss_next = state
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss_next))
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -197,16 +208,39 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, with_target: bool = True, with_drafter: bool = True) -> Trainer:
-        """with_target=False: disaggregated drafter rank; with_drafter=False: disaggregated target rank."""
+        """with_target=False: disaggregated drafter rank; with_drafter=False: disaggregated target rank.
+
+        A failure here (bad data, a tokenizer that does not fit the target, damaged checkpoints) leaves the
+        heartbeat at status `failed` with the reason in `error`, never `starting`, and removes the checkpoints
+        directory again when this setup created it and nothing was saved."""
+        ckpt_dir = Path(self.config.output_dir) / "checkpoints"
+        created = not ckpt_dir.exists()
+        try:
+            return self._setup(with_target, with_drafter)
+        except Exception as exc:
+            observer = getattr(self, "observer", None)
+            if observer is not None:
+                reason = str(exc) if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
+                observer.heartbeat(self.step, 0, "failed", error=reason.splitlines()[0] if reason else type(exc).__name__)
+            if created and self.is_reporter:
+                with contextlib.suppress(OSError):
+                    ckpt_dir.rmdir()  # only when empty
+            raise
+
+    def _setup(self, with_target: bool, with_drafter: bool) -> Trainer:
         c = self.config
         if c.runtime.num_threads:
             torch.set_num_threads(c.runtime.num_threads)
         out = Path(c.output_dir)
         self.ckpt = CheckpointManager(ensure_writable(out / "checkpoints"), c.checkpoint.keep_last)
+        if with_drafter and self.is_reporter:
+            self.ckpt.recover()  # temp dirs of a killed save, a lagging `latest` pointer
         self.layer_ids = resolved_layer_ids(c, num_layers_of(c.target.path, c.target.random_init))
         self.device = self._device or pick_device(c.runtime.device)
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
         self.observer.heartbeat(0, 0, "starting")
+        if with_drafter:
+            self._resume_from = self._resume_candidate()  # before any model loads: damaged ones stop us here
         self.tokenizer = load_tokenizer(c)
         self.target = self._load_target() if with_target else None
         self.train_set, self.eval_set = load_datasets(c, self.tokenizer, self.target)
@@ -309,7 +343,8 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "rng": {"torch": torch.random.get_rng_state(), "python": random.getstate(),
+            # plain lists: trainer_state.pt loads with weights_only=True
+            "rng": {"torch": torch.random.get_rng_state(), "python": _python_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
             "config": self.config.to_dict(),
         }
@@ -327,22 +362,72 @@ class Trainer:
         self.observer.event(f"checkpoint: {path}")
         return path
 
-    def resume(self) -> bool:
+    def _resume_candidate(self) -> Path | None:
+        """The newest intact checkpoint to resume from (None: start at step 0).
+
+        Checkpoints that are all damaged stop the run (exit 2) instead of being overwritten by a fresh start;
+        checkpoint.resume=false starts fresh on purpose."""
         if not self.config.checkpoint.resume:
-            return False
+            return None
         path = self.ckpt.latest_valid()
+        existing = self.ckpt.list()
+        if path is None and existing:
+            problem = CheckpointManager.verify(existing[-1])
+            raise BadInput(f"every checkpoint in '{self.ckpt.dir}' is damaged ({len(existing)} found; newest "
+                           f"{existing[-1].name}: {problem}); refusing to start over them from step 0. Restore "
+                           "a good copy, or set checkpoint.resume=false to start fresh")
+        return path
+
+    def _check_same_drafter(self, loaded: Drafter, path: Path) -> None:
+        """A checkpoint of a differently shaped drafter cannot be resumed: name the config key."""
+        keys = {"num_hidden_layers": "drafter.num_layers", "block_size": "drafter.block_size",
+                "target_layer_ids": "target.layer_ids", "mask_token_id": "drafter.mask_token_id",
+                "intermediate_size": "drafter.intermediate_size",
+                "num_attention_heads": "drafter.num_attention_heads",
+                "num_key_value_heads": "drafter.num_key_value_heads", "hidden_size": "the target's hidden_size",
+                "head_dim": "the target's head_dim", "vocab_size": "the target's vocab_size"}
+        for field_name, key in keys.items():
+            old, new = getattr(loaded.arch, field_name), getattr(self.drafter.arch, field_name)
+            if (list(old) if isinstance(old, list | tuple) else old) != (
+                    list(new) if isinstance(new, list | tuple) else new):
+                raise BadInput(f"{key} is {new} but the checkpoint {path} was trained with {old}; a changed "
+                               f"drafter cannot resume: use a new output_dir (or set {key.split(' (')[0]} back)")
+
+    def _apply_optim_config(self) -> None:
+        """The config's lr/betas/eps/weight_decay win over the checkpoint's (one log line when they differ)."""
+        o = self.config.optim
+        groups = self.optimizer.param_groups
+        old = {"lr": self.scheduler.base_lrs[0], "betas": list(groups[0]["betas"]), "eps": groups[0]["eps"],
+               "weight_decay": groups[0]["weight_decay"]}
+        new = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+        changed = [f"{k} {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
+        self.scheduler.base_lrs = [o.lr for _ in groups]
+        lrs = [base * fn(self.scheduler.last_epoch)
+               for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas, strict=True)]
+        for g, lr in zip(groups, lrs, strict=True):
+            g.update(lr=lr, initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.scheduler._last_lr = lrs
+        if changed:
+            self.observer.event(f"resume: optim {', '.join(changed)} (config differs from the checkpoint); "
+                                "applying the config's values")
+
+    def resume(self) -> bool:
+        # chosen (and checked) at the start of setup, before the models loaded
+        path = self.__dict__.pop("_resume_from") if "_resume_from" in self.__dict__ else self._resume_candidate()
         if path is None:
             return False
         loaded = Drafter.load(path, device=self.device)
+        self._check_same_drafter(loaded, path)
         self.drafter.load_state_dict(loaded.state_dict())
         state = load_trainer_state(path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_optim_config()
         self.sampler.load_state_dict(state["sampler"])
         self.step = int(state["step"])
         rng = state["rng"]
         torch.random.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
+        _set_python_rng_state(rng["python"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.observer.event(f"resumed from {path} at step {self.step}")
@@ -478,8 +563,11 @@ class Trainer:
             self.stop_requested = True
             print(f"received signal {signum}: checkpointing at the next step boundary", flush=True)
 
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.signal(signum, request_stop)
+            if getattr(previous, "seen", False):  # launch.SignalLatch: a stop signal arrived during start-up
+                self.stop_requested = True
+                print("received a stop signal during start-up: stopping before training", flush=True)
 
     def memory_gib(self) -> float:
         if self.device.type == "cuda":
@@ -511,8 +599,8 @@ class Trainer:
                 self.save_checkpoint()
             if c.logging.eval_interval and self.step % c.logging.eval_interval == 0:
                 self._report_eval()
-        if not self.ckpt.list() or self.ckpt.list()[-1] != self.ckpt.path_for(self.step):
-            self.save_checkpoint()
+        if self.step > 0 and (not self.ckpt.list() or self.ckpt.list()[-1] != self.ckpt.path_for(self.step)):
+            self.save_checkpoint()  # (step 0: stopped before any step; nothing to keep)
         stopped = self.stop_requested and self.step < self.total_steps
         result = {**last, "step": self.step, "epoch": epoch, "stopped": stopped}  # the real step, not the last log's
         if not stopped:
@@ -592,6 +680,11 @@ class Trainer:
 
 
 def train(config: RunConfig) -> dict[str, Any]:
+    """Single-process training. A stop signal during start-up (caught by launch.SignalLatch) ends it cleanly:
+    before setup, nothing is loaded; during setup, it stops before the first step."""
+    if getattr(signal.getsignal(signal.SIGTERM), "seen", False):
+        print("received a stop signal during start-up: not starting", flush=True)
+        return {"step": 0, "stopped": True}
     trainer = Trainer(config).setup()
     trainer.install_signal_handlers()
     try:

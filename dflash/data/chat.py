@@ -42,6 +42,8 @@ def normalize_messages(row: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object with 'messages' or 'conversations', got "
                         f"{type(row).__name__}")
+    if "messages" in row and "conversations" in row:
+        raise DataError(f"{where}: has both 'messages' and 'conversations'; keep one of them")
     if "messages" in row:
         raw, role_key, content_key = row["messages"], "role", "content"
     elif "conversations" in row:
@@ -70,11 +72,16 @@ def read_jsonl(path: str | os.PathLike) -> list[list[dict[str, str]]]:
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist; check data.train_path / data.eval_path")
     conversations = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:  # a BOM on the first line is tolerated
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                                "convert the file to UTF-8 or remove that line") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
