@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--num-samples", type=int, default=2000)
     s.add_argument("--num-words", type=int, default=64)
     s.add_argument("--seed", type=int, default=0)
+
+    from dflash.regenerate.cliargs import add_arguments as add_regenerate_arguments
+
+    add_regenerate_arguments(sub.add_parser(
+        "regenerate", help="answer a chat JSONL's prompts with the target itself (training data, docs/regenerate.md)"))
     return p
 
 
@@ -106,6 +111,12 @@ def _cmd_synth(args) -> int:
     return EXIT_OK
 
 
+def _cmd_regenerate(args) -> int:
+    from dflash.regenerate.runner import run_regenerate
+
+    return run_regenerate(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return ops_main(argv[1:])
     args = _parser().parse_args(argv)
     handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "eval": _cmd_eval,
-               "synth-data": _cmd_synth}
+               "synth-data": _cmd_synth, "regenerate": _cmd_regenerate}
     try:
         return handler[args.command](args)
     except BadInput as exc:

@@ -1,0 +1,150 @@
+"""Input validation, shard files, the fingerprint of a run and the merge: every write is atomic."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dflash.data.chat import normalize_messages
+from dflash.errors import BadInput, DataError
+from dflash.fileio import fsync_path, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
+from dflash.regenerate.core import conversation_problem
+
+FORMAT = 1
+
+
+def read_conversations(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], list[int]]:
+    """Every row of a chat JSONL (`messages` role/content or ShareGPT `conversations` from/value), checked
+    before anything is generated; errors name the file and line. Returns the conversations and their line
+    numbers."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"input file '{path}' does not exist")
+    conversations, lines = [], []
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:  # a BOM on the first line is tolerated
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                                "convert the file to UTF-8 or remove that line") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove "
+                                "that line") from None
+            messages = normalize_messages(row, where)
+            problem = conversation_problem(messages)
+            if problem:
+                raise DataError(f"{where}: {problem}")
+            conversations.append(messages)
+            lines.append(lineno)
+    if not conversations:
+        raise DataError(f"input file '{path}' holds no conversations")
+    return conversations, lines
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """temp file + fsync + rename + directory fsync: the file is complete or absent, never partial."""
+    tmp = temp_sibling(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_path(path.parent)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
+
+
+def jsonl_bytes(conversations) -> bytes:
+    return "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations).encode()
+
+
+class Parts:
+    """OUTPUT.parts/: fingerprint.json, shard-NNNNN.jsonl (+ .json stats) per finished shard."""
+
+    def __init__(self, output: Path):
+        self.output = output
+        self.dir = output.with_name(output.name + ".parts")
+
+    def shard_file(self, index: int) -> Path:
+        return self.dir / f"shard-{index:05d}.jsonl"
+
+    def stats_file(self, index: int) -> Path:
+        return self.dir / f"shard-{index:05d}.json"
+
+    def done(self, index: int) -> bool:
+        return self.shard_file(index).is_file() and self.stats_file(index).is_file()
+
+    def claim(self, fingerprint: dict[str, Any]) -> None:
+        """Create the parts dir for this run, or check that an existing one belongs to the same run."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / "fingerprint.json"
+        if path.is_file():
+            try:
+                existing = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                existing = None
+            if existing != fingerprint:
+                differ = sorted(k for k in set(fingerprint) | set(existing or {})
+                                if (existing or {}).get(k) != fingerprint.get(k))
+                raise BadInput(f"{self.dir} holds shards of a different run (differs in: {', '.join(differ)}); "
+                               f"delete {self.dir} to start over, or choose another OUTPUT")
+            return
+        write_json(path, fingerprint)  # every rank writes the same content: a race is harmless
+
+    def write_shard(self, index: int, conversations, stats: dict[str, Any]) -> None:
+        """Stats first, the rows last: a shard counts as done once its .jsonl exists."""
+        write_json(self.stats_file(index), stats)
+        write_atomic(self.shard_file(index), jsonl_bytes(conversations))
+
+    def read_stats(self, index: int) -> dict[str, Any]:
+        return json.loads(self.stats_file(index).read_text())
+
+    def merge(self, num_shards: int) -> str:
+        """Concatenate the shards into OUTPUT atomically; returns its sha256."""
+        tmp = temp_sibling(self.output)
+        h = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as out:
+                for i in range(num_shards):
+                    with open(self.shard_file(i), "rb") as fh:
+                        data = fh.read()
+                    h.update(data)
+                    out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self.output)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        fsync_path(self.output.parent)
+        return h.hexdigest()
+
+    def remove_stale_temps(self) -> None:
+        for p in self.dir.glob(".shard-*.tmp-*"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)

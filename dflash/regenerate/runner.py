@@ -1,0 +1,426 @@
+"""`dflash regenerate`: shards, resume, signals, ranks, merge and manifest around `regenerate_conversations`.
+
+* The whole input is read and checked first (exit 2 on bad input, nothing written).
+* Shard i = conversations [i*S, (i+1)*S). A finished shard is written atomically into OUTPUT.parts/; a rerun
+  with the same input and parameters (OUTPUT.parts/fingerprint.json) skips it. A stop signal loses at most
+  the shard in flight.
+* Under torchrun, rank r takes shards i % world_size == r (GPU LOCAL_RANK); rank 0 waits for every shard
+  file, then merges them atomically into OUTPUT and writes OUTPUT.manifest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import BadInput
+from dflash.regenerate.core import (
+    RegenStats,
+    SamplingParams,
+    derive_seed,
+    generation_slots,
+    regenerate_conversations,
+)
+from dflash.regenerate.files import FORMAT, Parts, digest, read_conversations, sha256_file, write_json
+from dflash.regenerate.progress import ProgressReporter
+
+log = logging.getLogger(__name__)
+WAIT_POLL_S = 1.0
+
+
+def say(msg: str) -> None:
+    print(f"dflash regenerate: {msg}", file=sys.stderr, flush=True)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived (SIGTERM/SIGINT)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopGuard:
+    """Turns SIGTERM/SIGINT into `Stopped` in the main thread, but never in the middle of a shard write."""
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.writing = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopGuard:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, _frame) -> None:
+        self.pending = signum
+        if not self.writing:
+            raise Stopped(signum)
+
+    def write(self, fn, *args) -> None:
+        self.writing = True
+        try:
+            fn(*args)
+        finally:
+            self.writing = False
+        if self.pending is not None:
+            raise Stopped(self.pending)
+
+
+# ------------------------------------------------------------------------------------------- setup
+def sampling_from_args(args: argparse.Namespace, default_seed: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=default_seed if args.seed is None else args.seed, thinking=args.thinking,
+                          max_prompt_tokens=args.max_prompt_tokens).validate()
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.target_config and args.target_path:
+        raise BadInput("give --target-config or --target-path, not both")
+    if not (args.target_config or args.target_path or args.server):
+        raise BadInput("say what answers: --target-config CONFIG.yaml or --target-path DIR (transformers in this "
+                       "process), or --server URL (an OpenAI-compatible server such as vllm serve)")
+    for name in ("shard_size", "batch_size", "concurrency", "nproc"):
+        if getattr(args, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')} must be >= 1")
+    if args.retries < 0:
+        raise BadInput("--retries must be >= 0")
+    if args.limit is not None and args.limit < 1:
+        raise BadInput("--limit must be >= 1")
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise BadInput("OUTPUT must differ from INPUT")
+    if args.server and args.batching != "static":
+        raise BadInput("--batching applies to the transformers backend, not to --server")
+
+
+def rank_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) otherwise."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _pick_device(requested: str | None, local_rank: int):
+    import torch
+
+    requested = requested or "auto"
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise BadInput("--device cuda but no CUDA GPU is visible")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _load_local_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"tokenizer '{path}' could not be loaded: {exc}") from None
+    if not getattr(tok, "chat_template", None):
+        raise BadInput(f"tokenizer '{path}' has no chat template; prompts are rendered with it")
+    return tok
+
+
+def build_backend(args: argparse.Namespace, local_rank: int):
+    """(backend, tokenizer, target identity for fingerprint and manifest, default seed)."""
+    config = None
+    tokenizer = None
+    identity: dict[str, Any] = {}
+    default_seed = 0
+    if args.target_config:
+        from dflash.config import load_config
+        from dflash.train import load_tokenizer
+
+        config = load_config(args.target_config, [])
+        default_seed = config.seed
+        t = config.target
+        identity = {"config": str(Path(args.target_config).resolve()), "dtype": t.dtype}
+        if t.path is not None:
+            identity["path"] = str(Path(t.path).resolve())
+        else:
+            identity.update(random_init=t.random_init, random_init_sha256=digest(t.random_init)[:16], seed=config.seed)
+        tokenizer = _load_local_tokenizer(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(config)
+    elif args.target_path:
+        identity = {"path": str(Path(args.target_path).resolve())}
+        cfg_file = Path(args.target_path) / "config.json"
+        if cfg_file.is_file():
+            identity["config_sha256"] = sha256_file(cfg_file)[:16]
+        tokenizer = _load_local_tokenizer(args.tokenizer_path or args.target_path)
+    elif args.tokenizer_path:
+        tokenizer = _load_local_tokenizer(args.tokenizer_path)
+
+    if args.server:
+        from dflash.regenerate.server import OpenAIServerBackend
+
+        api_key = None
+        if args.api_key_env:
+            api_key = os.environ.get(args.api_key_env)
+            if not api_key:
+                raise BadInput(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+        backend = OpenAIServerBackend(args.server, args.model, tokenizer, concurrency=args.concurrency,
+                                      retries=args.retries, api_key=api_key)
+        identity = {"served_model": backend.model, **({"local": identity} if identity else {})}
+        return backend, tokenizer, identity, default_seed
+
+    import torch
+
+    from dflash.models.target import build_hf_model
+    from dflash.regenerate.hf import TransformersBackend
+
+    if config is not None:
+        device = _pick_device(args.device or config.runtime.device, local_rank)
+        if config.runtime.num_threads:
+            torch.set_num_threads(config.runtime.num_threads)
+        t = config.target
+        model = build_hf_model(t.path, t.random_init, t.dtype, t.attn_implementation, seed=config.seed, device=device)
+    else:
+        device = _pick_device(args.device, local_rank)
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        identity["dtype"] = dtype
+        model = build_hf_model(args.target_path, None, dtype, device=device)
+    model = model.to(device).eval()
+    backend = TransformersBackend(model, tokenizer, batch_size=args.batch_size, batching=args.batching)
+    return backend, tokenizer, identity, default_seed
+
+
+def tokenizer_identity(tokenizer) -> dict[str, Any]:
+    if tokenizer is None:
+        return {"name_or_path": None}
+    from dflash.data.chat import tokenizer_fingerprint
+
+    return {"name_or_path": str(getattr(tokenizer, "name_or_path", "")), "size": len(tokenizer),
+            "fingerprint": tokenizer_fingerprint(tokenizer)}
+
+
+# -------------------------------------------------------------------------------------------- main
+def run_regenerate(args: argparse.Namespace) -> int:
+    check_args(args)
+    from dflash.launch import under_torchrun
+
+    if args.nproc > 1 and not under_torchrun():
+        read_conversations(args.input)  # bad input: exit 2 here, before any process starts
+        return launch_ranks(args)
+    return run_rank(args)
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    started = time.time()
+    rank, world_size, local_rank = rank_env()
+    conversations, lines = read_conversations(args.input)
+    rows_in_file = len(conversations)
+    if args.limit is not None:
+        conversations, lines = conversations[: args.limit], lines[: args.limit]
+    output = Path(args.output).resolve()
+    parts = Parts(output)
+
+    with StopGuard() as guard:
+        try:
+            backend, tokenizer, target, default_seed = build_backend(args, local_rank)
+            params = sampling_from_args(args, default_seed)
+            if hasattr(backend, "prompt_limit"):
+                backend.prompt_limit(params)  # max_new_tokens that leaves no room for a prompt: exit 2 now
+            input_sha = sha256_file(args.input)
+            fingerprint = {"format": FORMAT, "input_sha256": input_sha, "conversations": len(conversations),
+                           "shard_size": args.shard_size, "sampling": params.to_dict(),
+                           "target": {k: v for k, v in target.items() if k != "config"},  # where the file lies: no
+                           "tokenizer": tokenizer_identity(tokenizer)}
+            output.parent.mkdir(parents=True, exist_ok=True)
+            parts.claim(fingerprint)
+            num_shards = math.ceil(len(conversations) / args.shard_size)
+            mine = [i for i in range(num_shards) if i % world_size == rank]
+            todo = [i for i in mine if not parts.done(i)]
+            if len(todo) < len(mine):
+                say(f"rank {rank}: {len(mine) - len(todo)} of its {len(mine)} shards done before, skipped: "
+                    + _ranges([i for i in mine if i not in todo]))
+            bounds = {i: (i * args.shard_size, min(len(conversations), (i + 1) * args.shard_size)) for i in todo}
+            total = sum(generation_slots(c) for i in todo for c in conversations[bounds[i][0]:bounds[i][1]])
+            say(f"rank {rank}/{world_size}: {len(todo)} shards to regenerate ({total} answers) with "
+                f"{backend.describe().get('backend')}; parts in {parts.dir}")
+            progress = ProgressReporter(total, len(todo), rank, world_size)
+            try:
+                for i in todo:
+                    a, b = bounds[i]
+                    shard_params = replace(params, seed=derive_seed(params.seed, "shard", i))
+                    out, stats = regenerate_conversations(conversations[a:b], backend, shard_params, progress)
+                    record = {"shard": i, "conversations": [a, b], "rank": rank,
+                              "written": sum(c is not None for c in out),
+                              "skipped_lines": [lines[a + k] for k in stats.skipped_indices],
+                              "stats": stats.to_dict(), "finished_at": _now()}
+                    guard.write(parts.write_shard, i, [c for c in out if c is not None], record)
+                    progress.shard_done(i, stats.to_dict())
+            finally:
+                progress.close()
+            if rank != 0:
+                say(f"rank {rank}: done; rank 0 merges")
+                return 0
+            _wait_for_shards(parts, num_shards, world_size)
+            manifest = _merge(parts, num_shards, args, params, backend, tokenizer, target, fingerprint, lines,
+                              rows_in_file, started, world_size)
+        except Stopped as stop:
+            done = sum(parts.done(i) for i in range(math.ceil(len(conversations) / args.shard_size)))
+            say(f"stopped by signal {stop.signum}: {done} shards are complete in {parts.dir}; rerun the same "
+                "command to resume")
+            return 1
+    c = manifest["counts"]
+    print(f"regenerated {c['regenerated_turns']} answers in {c['written']} conversations "
+          f"({c['skipped_too_long']} skipped as too long, {c['truncated']} truncated) -> {output}", flush=True)
+    return 0
+
+
+def _ranges(indices: list[int]) -> str:
+    if len(indices) <= 8:
+        return ", ".join(map(str, indices))
+    return f"{', '.join(map(str, indices[:4]))}, ... {indices[-1]}"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def _wait_for_shards(parts: Parts, num_shards: int, world_size: int) -> None:
+    """Rank 0: every shard file of every rank (torchrun ends this rank if another one fails)."""
+    last_note = time.monotonic()
+    while True:
+        missing = [i for i in range(num_shards) if not parts.done(i)]
+        if not missing:
+            return
+        if world_size == 1:  # cannot happen: this rank wrote them all
+            raise RuntimeError(f"shards {missing[:5]} missing after the run")
+        if time.monotonic() - last_note > 60:
+            say(f"rank 0: waiting for {len(missing)} shards of the other ranks ({_ranges(missing)})")
+            last_note = time.monotonic()
+        time.sleep(WAIT_POLL_S)
+
+
+def _merge(parts: Parts, num_shards: int, args, params: SamplingParams, backend, tokenizer, target, fingerprint,
+           lines: list[int], rows_in_file: int, started: float, world_size: int) -> dict[str, Any]:
+    total = RegenStats()
+    written, skipped_lines, shard_seconds = 0, [], 0.0
+    for i in range(num_shards):
+        record = parts.read_stats(i)
+        s = record["stats"]
+        total.add(RegenStats(**{k: v for k, v in s.items() if k != "skipped_indices"}))
+        written += record["written"]
+        skipped_lines += record["skipped_lines"]
+        shard_seconds += s["seconds"]
+    output_sha = parts.merge(num_shards)
+    parts.remove_stale_temps()
+    import torch
+    import transformers
+
+    import dflash
+
+    manifest = {
+        "format": f"dflash-regenerate/{FORMAT}",
+        "created_at": _now(),
+        "versions": {"dflash": dflash.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "input": {"path": str(Path(args.input).resolve()), "sha256": fingerprint["input_sha256"],
+                  "rows": rows_in_file, "conversations": len(lines), "limit": args.limit},
+        "output": {"path": str(parts.output), "sha256": output_sha, "conversations": written,
+                   "parts_dir": str(parts.dir)},
+        "target": target,
+        "tokenizer": fingerprint["tokenizer"],
+        "backend": backend.describe(),
+        "sampling": params.to_dict(),
+        "sharding": {"shard_size": args.shard_size, "shards": num_shards, "world_size": world_size},
+        "counts": {"prompts": total.prompts, "written": written, "regenerated_turns": total.turns,
+                   "skipped_too_long": total.skipped, "truncated": total.truncated,
+                   "generated_tokens": total.generated_tokens, "hit_max_new_tokens": total.hit_max_new_tokens,
+                   "roundtrip_mismatches": total.roundtrip_mismatches},
+        "skipped_lines": skipped_lines[:10000],
+        "timings": {"generation_seconds": round(shard_seconds, 3),
+                    "tokens_per_second": round(total.generated_tokens / shard_seconds, 1) if shard_seconds else None,
+                    "this_run_seconds": round(time.time() - started, 3), "finished_at": _now()},
+        "fingerprint": digest(fingerprint),
+    }
+    write_json(parts.output.with_name(parts.output.name + ".manifest.json"), manifest)
+    if total.skipped:
+        say(f"{total.skipped} conversations skipped: prompt longer than the limit (input lines in the manifest's "
+            "skipped_lines)")
+    if total.roundtrip_mismatches:
+        say(f"warning: {total.roundtrip_mismatches} answers do not re-tokenize to the generated ids (see the log)")
+    if not written:
+        say("warning: no conversation was written (every prompt too long?)")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------- several ranks
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    from dflash.regenerate.cliargs import to_argv
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--max-restarts",
+            "0", "--standalone", "-m", "dflash", "regenerate", *to_argv(args)]
+
+
+def launch_ranks(args: argparse.Namespace) -> int:
+    """`--nproc N`: one process per GPU through torchrun; a stop signal is passed on to torchrun, which
+    stops its workers (each loses at most its shard in flight)."""
+    if not args.server:
+        import torch
+
+        requested = args.device
+        if requested is None and args.target_config:
+            from dflash.config import load_config
+
+            requested = load_config(args.target_config, []).runtime.device
+        on_gpu = requested == "cuda" or (requested in (None, "auto") and torch.cuda.is_available())
+        if on_gpu and args.nproc > torch.cuda.device_count():
+            raise BadInput(f"--nproc {args.nproc} but only {torch.cuda.device_count()} GPUs are visible (one "
+                           "process per GPU)")
+    cmd = torchrun_command(args)
+    stop: dict[str, int] = {}
+
+    def note(signum, _frame) -> None:
+        if "signum" not in stop:
+            stop["signum"] = signum
+            say(f"signal {signum}: stopping the ranks")
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        say(f"starting {args.nproc} ranks: {' '.join(cmd)}")
+        proc = subprocess.Popen(cmd, env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})
+        told = False
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if stop and not told:
+                proc.send_signal(signal.SIGTERM)
+                told = True
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if rc != 0:
+        print(f"dflash: error: regeneration failed or was stopped (torchrun exit {rc}); finished shards are kept: "
+              "rerun the same command to resume", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def manifest_path(output: str | os.PathLike) -> Path:
+    p = Path(output)
+    return p.with_name(p.name + ".manifest.json")
+
+
+def read_manifest(output: str | os.PathLike) -> dict[str, Any]:
+    return json.loads(manifest_path(output).read_text())
