@@ -77,23 +77,28 @@ def sec_backend(model, args):
 
     tok = build_tokenizer(min(4096, model.config.vocab_size - 100))
     results = {}
+    variants = [v for v in args.variants.split(",") if v]
     for bs in args.backend_batches:
-        convs = _ragged_conversations(bs * args.rounds, args.min_prompt, args.max_prompt, len(tok) - 30, seed=bs)
-        params = SamplingParams(max_new_tokens=args.new)
-        backend = TransformersBackend(model, tok, batch_size=bs)
-        # suppress EOS: every row generates max_new_tokens, as in the baseline
-        if hasattr(backend, "stop_token_ids"):
-            backend.stop_token_ids = []
-        regenerate_conversations(convs[:bs], backend, params)  # warm-up / compile
-        sync()
-        t0 = time.perf_counter()
-        _, stats = regenerate_conversations(convs, backend, params)
-        sync()
-        dt = time.perf_counter() - t0
-        gen = getattr(stats, "generated_tokens", None)
-        results[str(bs)] = {"prompts": len(convs), "seconds": dt, "generated_tokens": gen,
+        for variant in variants:
+            convs = _ragged_conversations(bs * args.rounds, args.min_prompt, args.max_prompt, len(tok) - 30, seed=bs)
+            params = SamplingParams(max_new_tokens=args.new)
+            compiled = "compile" in variant
+            backend = TransformersBackend(model, tok, batch_size=bs, compile=compiled,
+                                          pad_to_multiple_of=args.max_prompt if compiled else None)
+            backend.stop_ids = []  # every row generates max_new_tokens, as in the baseline
+            if "nosuppress" in variant:  # the synthetic tokenizer forbids ~148k of 152k ids; a real one ~270
+                backend.suppress = None
+            regenerate_conversations(convs[:bs], backend, params)  # warm-up / compile
+            sync()
+            t0 = time.perf_counter()
+            _, stats = regenerate_conversations(convs, backend, params)
+            sync()
+            dt = time.perf_counter() - t0
+            gen = getattr(stats, "generated_tokens", None)
+            key = f"{bs}/{variant}"
+            results[key] = {"prompts": len(convs), "seconds": dt, "generated_tokens": gen,
                             "tokens_per_s": (gen or 0) / dt, "prompt_tokens": f"{args.min_prompt}..{args.max_prompt}"}
-        print(bs, results[str(bs)], flush=True)
+            print(key, results[key], flush=True)
     record("backend_regenerate", results)
 
 
@@ -153,7 +158,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=256)
-    p.add_argument("--backend-batches", default="64,128,256")
+    p.add_argument("--backend-batches", default="64,128,256,384")
+    p.add_argument("--variants", default="plain,nosuppress,nosuppress+compile",
+                   help="backend settings measured per batch size")
     p.add_argument("--rounds", type=int, default=2, help="batches of prompts per backend measurement")
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
