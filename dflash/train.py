@@ -446,10 +446,13 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
-    def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator, model=None):
-        """Loss and stats of one batch given its target features (shared by every topology)."""
+    def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator, model=None,
+                     num_anchors: int | None = None, leads: list | None = None):
+        """Loss and stats of one batch given its target features (shared by every topology).
+
+        `leads`: a list that receives (anchors (b, m), valid (b, m), leading correct predictions (b, m))."""
         c = self.config.drafter
-        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, c.num_anchors, generator)
+        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, num_anchors or c.num_anchors, generator)
         blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, c.block_size,
                               self.drafter.arch.mask_token_id)
         forward = model if model is not None else self.drafter
@@ -463,6 +466,9 @@ class Trainer:
         with self.autocast():
             hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self._flex)
             loss, correct = weighted_block_loss(hidden, head, blocks, self.gamma, c.loss_chunk_size, c.loss_impl)
+        if leads is not None:
+            hit = (correct & blocks.label_valid).float()
+            leads.append((anchors, valid, torch.cumprod(hit, dim=-1).sum(-1).long().cpu()))
         return loss, BlockStats.of(correct, blocks)
 
     def embed_tokens(self):
@@ -557,6 +563,45 @@ class Trainer:
         self.drafter.train()
         return total
 
+    @torch.no_grad()
+    def walk_tau(self, dataset: TokenizedSet | None = None, max_batches: int = 8) -> float | None:
+        """Simulated acceptance length along the path greedy decoding takes, on the held-out data.
+
+        Blocks are anchored at every answer position; the walk starts at the first answer token (the one the
+        target's prefill produces), commits the block's leading correct predictions plus one, and anchors the
+        next block there, as speculative decoding does. Where the data is the target's own greedy output this
+        equals the real acceptance length (up to the generation limit); random anchors (`tau`) weigh every
+        position alike and so overstate it when easy runs alternate with hard spots (rounds restart at the
+        hard spots). A gap between this and the real acceptance length means the data is not the target's."""
+        dataset = dataset or self.eval_set
+        if dataset is None or len(dataset) == 0:
+            return None
+        c = self.config
+        sampler = RoundRobinBatchSampler(dataset.lengths(), c.data.token_budget, c.data.bucket_size,
+                                         c.data.max_length, seed=12345)
+        rounds = committed = 0
+        self.drafter.eval()
+        for i, (blen, idx) in enumerate(sampler.epoch_batches(0)):
+            if i >= max_batches:
+                break
+            batch = collate(dataset.samples, idx, blen, self.tokenizer.pad_token_id or 0).to(self.device)
+            leads: list = []
+            self.drafter_loss(self.features(batch), batch, step_generator(999, i, 0), self.drafter.forward,
+                              num_anchors=int(batch.input_ids.shape[1]), leads=leads)
+            anchors, valid, lead = leads[0]
+            for r in range(anchors.shape[0]):
+                table = {int(a): int(k) for a, k, v in zip(anchors[r], lead[r], valid[r], strict=True) if v}
+                loss_pos = torch.nonzero(batch.loss_mask[r].cpu()).flatten()
+                if loss_pos.numel() == 0:
+                    continue
+                a = int(loss_pos[0])
+                while a in table:
+                    rounds += 1
+                    committed += table[a] + 1
+                    a += table[a] + 1
+        self.drafter.train()
+        return committed / rounds if rounds else None
+
     # ------------------------------------------------------------------------------------------ loop
     def install_signal_handlers(self) -> None:
         def request_stop(signum, _frame):
@@ -607,6 +652,7 @@ class Trainer:
             ev = self._report_eval()
             if ev is not None:
                 result["eval_tau"] = ev["tau"]
+                result["eval_tau_walk"] = ev.get("tau_walk")
                 result["eval_acc"] = ev["acc"]
                 if "acceptance_length" in ev:
                     result["eval_acceptance_length"] = ev["acceptance_length"]
@@ -650,11 +696,19 @@ class Trainer:
         if stats is None:
             return None
         record: dict[str, Any] = {"step": self.step, "tau": stats.tau, "acc": stats.accuracy}
+        try:
+            walk = self.walk_tau()
+        except torch.OutOfMemoryError:  # every answer position anchored at once: a report, never a crash
+            walk = None
+            self.observer.event("eval: not enough GPU memory for the decoding-path tau; skipped")
+        if walk is not None:
+            record["tau_walk"] = walk
         real = self.speculative_eval()
         if real is not None:
             record.update(acceptance_length=real.acceptance_length, lossless=real.lossless,
                           prompts=len(real.prompts), speedup=real.speedup)
-        text = f"eval step {self.step}: simulated tau {stats.tau:.3f} acc@1 {stats.accuracy[0]:.3f}"
+        text = f"eval step {self.step}: simulated tau {stats.tau:.3f} (along the decoding path {walk or 0:.3f}) " \
+               f"acc@1 {stats.accuracy[0]:.3f}"
         if real is not None:
             text += (f"; real acceptance length {real.acceptance_length:.3f} over {len(real.prompts)} prompts "
                      f"(lossless {sum(p.lossless for p in real.prompts)}/{len(real.prompts)})")
