@@ -67,11 +67,12 @@ def normalize_messages(row: Any, where: str) -> list[dict[str, str]]:
     return messages
 
 
-def read_jsonl(path: str | os.PathLike) -> list[list[dict[str, str]]]:
+def iter_chat_rows(path: str | os.PathLike, missing_hint: str):
+    """(line number, "FILE:LINE", normalized messages) of every non-empty row of a chat JSONL file; a missing
+    file, non-UTF-8 bytes and malformed JSON are one-line DataErrors naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file '{path}' does not exist; check data.train_path / data.eval_path")
-    conversations = []
+        raise DataError(f"data file '{path}' does not exist; {missing_hint}")
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
@@ -87,7 +88,11 @@ def read_jsonl(path: str | os.PathLike) -> list[list[dict[str, str]]]:
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove "
                                 "that line") from None
-            conversations.append(normalize_messages(row, where))
+            yield lineno, where, normalize_messages(row, where)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[list[dict[str, str]]]:
+    conversations = [m for _, _, m in iter_chat_rows(path, "check data.train_path / data.eval_path")]
     if not conversations:
         raise DataError(f"data file '{path}' holds no samples")
     return conversations

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash.data.chat import normalize_messages
+from dflash.data.chat import iter_chat_rows
 from dflash.errors import BadInput, DataError
 from dflash.fileio import fsync_path, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
 from dflash.regenerate.core import conversation_problem
@@ -21,31 +21,13 @@ def read_conversations(path: str | os.PathLike) -> tuple[list[list[dict[str, str
     """Every row of a chat JSONL (`messages` role/content or ShareGPT `conversations` from/value), checked
     before anything is generated; errors name the file and line. Returns the conversations and their line
     numbers."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"input file '{path}' does not exist")
     conversations, lines = [], []
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
-            try:  # a BOM on the first line is tolerated
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
-                                "convert the file to UTF-8 or remove that line") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove "
-                                "that line") from None
-            messages = normalize_messages(row, where)
-            problem = conversation_problem(messages)
-            if problem:
-                raise DataError(f"{where}: {problem}")
-            conversations.append(messages)
-            lines.append(lineno)
+    for lineno, where, messages in iter_chat_rows(path, "pass an existing chat JSONL file"):
+        problem = conversation_problem(messages)
+        if problem:
+            raise DataError(f"{where}: {problem}")
+        conversations.append(messages)
+        lines.append(lineno)
     if not conversations:
         raise DataError(f"input file '{path}' holds no conversations")
     return conversations, lines
