@@ -547,20 +547,24 @@ class Trainer:
         self.step += 1
         return epoch, StepResult(float(totals[0]) / max(float(totals[1]), 1e-12), stats, tokens)
 
+    def _eval_batches(self, dataset: TokenizedSet, max_batches: int):
+        """The held-out batches every eval reads (a fixed order: evals are comparable across steps)."""
+        c = self.config
+        sampler = RoundRobinBatchSampler(dataset.lengths(), c.data.token_budget, c.data.bucket_size,
+                                         c.data.max_length, seed=12345)
+        for i, (blen, idx) in enumerate(sampler.epoch_batches(0)):
+            if i >= max_batches:
+                break
+            yield i, collate(dataset.samples, idx, blen, self.tokenizer.pad_token_id or 0).to(self.device)
+
     @torch.no_grad()
     def evaluate(self, dataset: TokenizedSet | None = None, max_batches: int = 50) -> BlockStats | None:
         dataset = dataset or self.eval_set
         if dataset is None or len(dataset) == 0:
             return None
-        c = self.config
-        sampler = RoundRobinBatchSampler(dataset.lengths(), c.data.token_budget, c.data.bucket_size,
-                                         c.data.max_length, seed=12345)
         total = None
         self.drafter.eval()
-        for i, (blen, idx) in enumerate(sampler.epoch_batches(0)):
-            if i >= max_batches:
-                break
-            batch = collate(dataset.samples, idx, blen, self.tokenizer.pad_token_id or 0).to(self.device)
+        for i, batch in self._eval_batches(dataset, max_batches):
             _, stats = self.drafter_loss(self.features(batch), batch, step_generator(999, i, 0), self.drafter.forward)
             total = stats if total is None else total + stats
         self.drafter.train()
@@ -579,15 +583,9 @@ class Trainer:
         dataset = dataset or self.eval_set
         if dataset is None or len(dataset) == 0:
             return None
-        c = self.config
-        sampler = RoundRobinBatchSampler(dataset.lengths(), c.data.token_budget, c.data.bucket_size,
-                                         c.data.max_length, seed=12345)
         rounds = committed = 0
         self.drafter.eval()
-        for i, (blen, idx) in enumerate(sampler.epoch_batches(0)):
-            if i >= max_batches:
-                break
-            batch = collate(dataset.samples, idx, blen, self.tokenizer.pad_token_id or 0).to(self.device)
+        for i, batch in self._eval_batches(dataset, max_batches):
             leads: list = []
             self.drafter_loss(self.features(batch), batch, step_generator(999, i, 0), self.drafter.forward,
                               num_anchors=int(batch.input_ids.shape[1]), leads=leads)
