@@ -393,9 +393,6 @@ def validate(config: RunConfig) -> None:
         _require(r.temperature >= 0, "data.regenerate.temperature must be >= 0 (0 = greedy)")
         _require(0 < r.top_p <= 1, "data.regenerate.top_p must be in (0, 1]")
         _require(r.batch_size >= 1, "data.regenerate.batch_size must be >= 1")
-        _require(config.topology.mode == "colocated",
-                 "data.regenerate runs inside colocated trainers only; for a disaggregated run regenerate the data "
-                 "first with `dflash regenerate` and set data.train_path to its output")
     _require(config.eval.speculative_prompts >= 0, "eval.speculative_prompts must be >= 0 (0 = off)")
     _require(config.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
     _require(o.lr > 0, f"optim.lr must be > 0 (got {o.lr})")
@@ -416,6 +413,9 @@ def validate(config: RunConfig) -> None:
     _require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     _require(config.logging.interval >= 1, "logging.interval must be >= 1")
     validate_topology(config.topology)
+    _require(data.regenerate is None or config.topology.mode == "colocated",
+             "data.regenerate runs inside colocated trainers only; for a disaggregated run regenerate the data "
+             "first with `dflash regenerate` and set data.train_path to its output")
 
 
 def _check_finite(node: Any, prefix: str) -> None:

@@ -127,8 +127,8 @@ def regenerated(config: RunConfig, name: str, conversations, tokenizer, target: 
     from dflash.data.synthetic import write_jsonl
 
     if len(tokenizer) > target.vocab_size:
-        raise BadInput(f"the tokenizer has {len(tokenizer)} ids, outside the target's embedding table "
-                       f"({target.vocab_size}); the tokenizer does not belong to this target")
+        raise BadInput(f"token ids up to {len(tokenizer) - 1} (the tokenizer's) are outside the target's embedding "
+                       f"table ({target.vocab_size}); the tokenizer does not belong to this target")
     path = _regen_path(config, name, conversations, tokenizer)
     if path.is_file():
         return read_jsonl(path)

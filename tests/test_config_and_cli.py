@@ -26,6 +26,10 @@ def test_tiny_config_loads_with_overrides(write_config, tiny_dict):
     (["drafter.attention=magic"], r"drafter.attention: must be one of 'auto' \| 'flex' \| 'sdpa'"),
     (["topology.mode=disaggregated", "topology.target_gpus=[0,1]", "topology.drafter_gpus=[1,2]"],
      r"GPUs \[1\] are in both target_gpus and drafter_gpus"),
+    (["topology.mode=disaggregated", "topology.target_gpus=[0]", "topology.drafter_gpus=[1]"],
+     r"data.regenerate runs inside colocated trainers only; .* `dflash regenerate`"),
+    (["data.regenerate.temperature=-1"], r"data.regenerate.temperature must be >= 0"),
+    (["eval.speculative_prompts=-1"], r"eval.speculative_prompts must be >= 0"),
     (["data.synthetic=null", "data.train_path=/nonexistent.jsonl"], r"data.train_path '/nonexistent.jsonl' does not exist"),
 ])
 def test_bad_config_is_rejected_with_exit_2_before_any_model_loads(write_config, tiny_dict, tmp_path, capsys,
