@@ -41,6 +41,7 @@ def tiny_dict(output_dir: Path) -> dict:
     d = copy.deepcopy(TINY)
     d["output_dir"] = str(output_dir)
     d["data"]["synthetic"]["num_samples"] = 200
+    d["data"].pop("regenerate", None)  # loading paths, not data: some setups here hold no target
     d["optim"]["max_steps"] = 2
     d["checkpoint"]["interval"] = 2
     d["logging"]["interval"] = 1
