@@ -9,7 +9,6 @@ prompt and the first differing position).
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -230,7 +229,7 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
         thinking_flag = {"keep": None, "strip": None, "disable": False}[thinking]
         prompts = prompts_from_file(prompts_file, tokenizer, num_prompts, thinking_flag)
     else:
-        _, evalset = load_datasets(config, tokenizer, target=target)
+        _, evalset = load_datasets(config, tokenizer, target=target, need_train=False)
         if evalset is None or len(evalset) == 0:
             raise BadInput("the run has no held-out split (set data.eval_path or data.eval_fraction > 0), or pass "
                            "--prompts FILE")
@@ -248,4 +247,4 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
         bad = [f"{p.name} (first difference at {p.first_difference})" for p in report.prompts if not p.lossless]
         raise LosslessnessError("speculative decoding differed from the target's greedy decoding on "
                                 + ", ".join(bad))
-    return 0 if math.isfinite(report.acceptance_length) else 1
+    return 0

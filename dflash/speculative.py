@@ -77,10 +77,13 @@ class TargetSession:
         self.length += ids.shape[1]
         return out.logits[0], feats[0]
 
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+    def _limit(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
-            logits = logits[..., : self.vocab_limit]
-        return logits.argmax(-1)
+            return logits[..., : self.vocab_limit]
+        return logits
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._limit(logits).argmax(-1)
 
     @torch.no_grad()
     def prefill(self, prompt: torch.Tensor) -> tuple[int, float, torch.Tensor]:
@@ -96,8 +99,7 @@ class TargetSession:
         return self.choose(logits[-1])
 
     def choose(self, row: torch.Tensor) -> tuple[int, float]:
-        if self.vocab_limit is not None and self.vocab_limit < row.shape[-1]:
-            row = row[: self.vocab_limit]
+        row = self._limit(row)
         top = row.float().topk(2)
         margin = float(top.values[0] - top.values[1]) / max(1.0, abs(float(top.values[0])))
         return int(row.argmax()), margin  # argmax, as in `verify`: the same tie-breaking
@@ -239,11 +241,11 @@ class Generation:
         return sum(self.acceptance) / len(self.acceptance) if self.acceptance else 0.0
 
 
-def _finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
-    for i, t in enumerate(tokens[:max_new_tokens]):
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
         if t in eos:
-            return tokens[: i + 1], True
-    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+            return tokens[: i + 1]
+    return tokens
 
 
 def _sync(device: torch.device) -> None:
@@ -279,10 +281,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: torch.Tensor,
     token, _, feats = tsess.prefill(prompt)
     dsess.append(feats)
     tokens, acceptance = [token], []
-    while True:
-        done_tokens, done = _finish(tokens, eos, max_new_tokens)
-        if done:
-            break
+    while len(tokens) < max_new_tokens and not (eos and eos.intersection(tokens[-(dsess.arch.block_size):])):
         start = tsess.length  # position of `token`, the last committed one
         block = dsess.propose(token, vocab_limit).to(tsess.device)
         posterior, bfeats, snapshot = tsess.verify(block)
@@ -295,7 +294,7 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: torch.Tensor,
         dsess.append(bfeats[: accepted + 1])
         token = tokens[-1]
     _sync(tsess.device)
-    return Generation(done_tokens, time.perf_counter() - t0, acceptance)
+    return Generation(_until_eos(tokens, eos)[:max_new_tokens], time.perf_counter() - t0, acceptance)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

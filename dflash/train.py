@@ -35,11 +35,12 @@ from dflash.observability import RunObserver
 log = logging.getLogger(__name__)
 
 
-def pick_device(requested: str) -> torch.device:
+def pick_device(requested: str, setting: str = "runtime.device") -> torch.device:
+    """cpu, or this rank's GPU (LOCAL_RANK); `setting` names the option in the error."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise BadInput("runtime.device is 'cuda' but no CUDA GPU is visible; check CUDA_VISIBLE_DEVICES "
-                           "or set runtime.device=cpu")
+            raise BadInput(f"{setting} is 'cuda' but no CUDA GPU is visible; check CUDA_VISIBLE_DEVICES "
+                           f"or set {setting} cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -53,6 +54,11 @@ def load_tokenizer(config: RunConfig):
     if path is None:
         raise BadInput("tokenizer: set tokenizer.path (a local tokenizer directory) or "
                        "tokenizer.synthetic_vocab_size (random-weight targets have no tokenizer of their own)")
+    return load_tokenizer_dir(path)
+
+
+def load_tokenizer_dir(path: str):
+    """A local tokenizer directory with a chat template (data and prompts are rendered with it)."""
     from transformers import AutoTokenizer
 
     try:
@@ -60,17 +66,20 @@ def load_tokenizer(config: RunConfig):
     except (OSError, ValueError) as exc:
         raise BadInput(f"tokenizer '{path}' could not be loaded: {exc}") from None
     if not getattr(tok, "chat_template", None):
-        raise BadInput(f"tokenizer '{path}' has no chat template; training data is rendered with it")
+        raise BadInput(f"tokenizer '{path}' has no chat template; training data and prompts are rendered with it")
     return tok
 
 
-def load_datasets(config: RunConfig, tokenizer, target: Target | None = None
-                  ) -> tuple[TokenizedSet, TokenizedSet | None]:
-    """Train and held-out sets; with data.regenerate, their assistant turns are the target's own answers."""
+def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, need_train: bool = True
+                  ) -> tuple[TokenizedSet | None, TokenizedSet | None]:
+    """Train and held-out sets; with data.regenerate, their assistant turns are the target's own answers.
+
+    need_train=False (evaluation): only the held-out set is built; the first element is None."""
     d = config.data
     if d.regenerate is not None and target is None:
         raise BadInput("data.regenerate needs the target in this process (colocated ranks); regenerate the data "
                        "with `dflash regenerate` and set data.train_path instead")
+    train = evalset = None
     if d.synthetic is not None:
         from dflash.data.synthetic import generate_conversations
 
@@ -79,26 +88,31 @@ def load_datasets(config: RunConfig, tokenizer, target: Target | None = None
         convs = [row["messages"] for row in
                  generate_conversations(s.num_samples, vocab_words, s.min_length, s.max_length, s.strides, s.seed)]
         n_eval = int(len(convs) * d.eval_fraction)
-        train_convs, eval_convs = convs[n_eval:], convs[:n_eval]
-        if d.regenerate is not None:
-            train_convs = regenerated(config, "synthetic-train", train_convs, tokenizer, target)
-            eval_convs = regenerated(config, "synthetic-eval", eval_convs, tokenizer, target) if n_eval else []
-        train = tokenize_conversations(tokenizer, train_convs, d.max_length, d.min_loss_tokens, "synthetic")
-        evalset = (tokenize_conversations(tokenizer, eval_convs, d.max_length, d.min_loss_tokens,
-                                          "synthetic-eval") if eval_convs else None)
+        splits = {"synthetic": convs[n_eval:] if need_train else [], "synthetic-eval": convs[:n_eval]}
+        for name, conversations in splits.items():
+            if not conversations:
+                continue
+            if d.regenerate is not None:
+                conversations, _ = regenerated(config, name, conversations, tokenizer, target)
+            tokenized = tokenize_conversations(tokenizer, conversations, d.max_length, d.min_loss_tokens, name)
+            if name == "synthetic":
+                train = tokenized
+            else:
+                evalset = tokenized
     else:
         cache = d.cache_dir or str(Path(config.output_dir) / ".token-cache")
-        train_path, eval_path = d.train_path, d.eval_path
-        if d.regenerate is not None:
-            from dflash.data.chat import read_jsonl
 
-            train_path = regenerated_file(config, train_path, read_jsonl(train_path), tokenizer, target)
-            if eval_path:
-                eval_path = regenerated_file(config, eval_path, read_jsonl(eval_path), tokenizer, target)
-        train = load_tokenized(train_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
-        evalset = (load_tokenized(eval_path, tokenizer, d.max_length, d.min_loss_tokens, cache)
-                   if eval_path else None)
-    if len(train) == 0:
+        def load(path: str) -> TokenizedSet:
+            if d.regenerate is not None:
+                from dflash.data.chat import read_jsonl
+
+                _, regen = regenerated(config, path, read_jsonl(path), tokenizer, target)
+                path = str(regen)
+            return load_tokenized(path, tokenizer, d.max_length, d.min_loss_tokens, cache)
+
+        train = load(d.train_path) if need_train else None
+        evalset = load(d.eval_path) if d.eval_path else None
+    if train is not None and len(train) == 0:
         raise DataError(f"no training sample has at least data.min_loss_tokens={d.min_loss_tokens} assistant "
                         f"tokens ({train.dropped_few_loss_tokens} dropped); lower data.min_loss_tokens or check "
                         "that the data has assistant turns")
@@ -119,10 +133,9 @@ def _regen_path(config: RunConfig, name: str, conversations, tokenizer) -> Path:
     return Path(config.output_dir) / "regenerated" / f"{Path(name).stem}-{digest}.jsonl"
 
 
-def regenerated(config: RunConfig, name: str, conversations, tokenizer, target: Target) -> list:
-    """The conversations with every assistant turn answered by the target (cached on disk across restarts)."""
-    import json
-
+def regenerated(config: RunConfig, name: str, conversations, tokenizer, target: Target) -> tuple[list, Path]:
+    """The conversations with every assistant turn answered by the target, and the JSONL file that holds them
+    under output_dir/regenerated/ (reused across restarts while target, tokenizer, settings and prompts match)."""
     from dflash.data.chat import read_jsonl
     from dflash.data.synthetic import write_jsonl
 
@@ -131,7 +144,7 @@ def regenerated(config: RunConfig, name: str, conversations, tokenizer, target: 
                        f"table ({target.vocab_size}); the tokenizer does not belong to this target")
     path = _regen_path(config, name, conversations, tokenizer)
     if path.is_file():
-        return read_jsonl(path)
+        return read_jsonl(path), path
     from dflash.regenerate import SamplingParams, TransformersBackend, regenerate_conversations
 
     r = config.data.regenerate
@@ -141,18 +154,13 @@ def regenerated(config: RunConfig, name: str, conversations, tokenizer, target: 
     backend = TransformersBackend(target.model, tokenizer, batch_size=r.batch_size)
     with target.capture_all():  # the whole forward (the tapping hooks must not stop it)
         out, stats = regenerate_conversations(conversations, backend, params)
-    rows = [{"messages": conv} for conv in out if conv is not None]
-    if not rows:
+    kept = [conv for conv in out if conv is not None]
+    if not kept:
         raise DataError(f"regeneration of {name} produced no conversation (all prompts skipped as too long?)")
-    write_jsonl(path, rows)
-    log.info("regenerated %s: %s", name, json.dumps(getattr(stats, "__dict__", {}), default=str))
-    print(f"regenerated {len(rows)} {name} answers with the target in {time.time() - t0:.1f}s -> {path}", flush=True)
-    return [row["messages"] for row in rows]
-
-
-def regenerated_file(config: RunConfig, path: str, conversations, tokenizer, target: Target) -> str:
-    regenerated(config, path, conversations, tokenizer, target)
-    return str(_regen_path(config, path, conversations, tokenizer))
+    write_jsonl(path, [{"messages": conv} for conv in kept])
+    log.info("regenerated %s: %s", name, stats.to_dict())
+    print(f"regenerated {len(kept)} {name} answers with the target in {time.time() - t0:.1f}s -> {path}", flush=True)
+    return kept, path
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -208,6 +216,7 @@ class Trainer:
         self.input_seconds = 0.0  # time in next_input() since the last report window
         self.stop_requested = False
         self.ddp_model = None  # set by dflash.distributed for data-parallel drafter ranks
+        self.last_eval: dict[str, Any] | None = None  # the last eval record (heartbeat, status)
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self, with_target: bool = True, with_drafter: bool = True) -> Trainer:
@@ -665,7 +674,7 @@ class Trainer:
 
     def _eval_beat(self) -> dict[str, Any]:
         """The last eval's numbers for the heartbeat (simulated tau and the real acceptance length)."""
-        ev = getattr(self, "last_eval", None) or {}
+        ev = self.last_eval or {}
         return {"eval_step": ev.get("step"), "eval_tau": ev.get("tau"),
                 "eval_acceptance_length": ev.get("acceptance_length")}
 
@@ -728,9 +737,8 @@ class Trainer:
         prompts = prompts_from_tokenized(self.eval_set, e.speculative_prompts)
         if not prompts:
             return None
-        drafter = getattr(self.drafter, "_orig_mod", self.drafter)
         with torch.no_grad(), self.autocast():
-            return evaluate_speculative(self.target, drafter, prompts, e.max_new_tokens, eos_ids_of(self.tokenizer),
+            return evaluate_speculative(self.target, self.drafter, prompts, e.max_new_tokens, eos_ids_of(self.tokenizer),
                                         vocab_limit=len(self.tokenizer), check_lossless=False)
 
 

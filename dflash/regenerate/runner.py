@@ -109,44 +109,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise BadInput("--batching applies to the transformers backend, not to --server")
 
 
-def rank_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) otherwise."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
+def rank_env() -> tuple[int, int]:
+    """(rank, world_size) from torchrun's environment; (0, 1) otherwise. The GPU is LOCAL_RANK's."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _pick_device(requested: str | None, local_rank: int):
-    import torch
-
-    requested = requested or "auto"
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise BadInput("--device cuda but no CUDA GPU is visible")
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def _load_local_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"tokenizer '{path}' could not be loaded: {exc}") from None
-    if not getattr(tok, "chat_template", None):
-        raise BadInput(f"tokenizer '{path}' has no chat template; prompts are rendered with it")
-    return tok
-
-
-def build_backend(args: argparse.Namespace, local_rank: int):
+def build_backend(args: argparse.Namespace):
     """(backend, tokenizer, target identity for fingerprint and manifest, default seed)."""
+    from dflash.train import load_tokenizer, load_tokenizer_dir, pick_device
+
     config = None
     tokenizer = None
     identity: dict[str, Any] = {}
     default_seed = 0
     if args.target_config:
         from dflash.config import load_config
-        from dflash.train import load_tokenizer
 
         config = load_config(args.target_config, [])
         default_seed = config.seed
@@ -156,15 +133,15 @@ def build_backend(args: argparse.Namespace, local_rank: int):
             identity["path"] = str(Path(t.path).resolve())
         else:
             identity.update(random_init=t.random_init, random_init_sha256=digest(t.random_init)[:16], seed=config.seed)
-        tokenizer = _load_local_tokenizer(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(config)
+        tokenizer = load_tokenizer_dir(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(config)
     elif args.target_path:
         identity = {"path": str(Path(args.target_path).resolve())}
         cfg_file = Path(args.target_path) / "config.json"
         if cfg_file.is_file():
             identity["config_sha256"] = sha256_file(cfg_file)[:16]
-        tokenizer = _load_local_tokenizer(args.tokenizer_path or args.target_path)
+        tokenizer = load_tokenizer_dir(args.tokenizer_path or args.target_path)
     elif args.tokenizer_path:
-        tokenizer = _load_local_tokenizer(args.tokenizer_path)
+        tokenizer = load_tokenizer_dir(args.tokenizer_path)
 
     if args.server:
         from dflash.regenerate.server import OpenAIServerBackend
@@ -185,13 +162,13 @@ def build_backend(args: argparse.Namespace, local_rank: int):
     from dflash.regenerate.hf import TransformersBackend
 
     if config is not None:
-        device = _pick_device(args.device or config.runtime.device, local_rank)
+        device = pick_device(args.device or config.runtime.device, "--device" if args.device else "runtime.device")
         if config.runtime.num_threads:
             torch.set_num_threads(config.runtime.num_threads)
         t = config.target
         model = build_hf_model(t.path, t.random_init, t.dtype, t.attn_implementation, seed=config.seed, device=device)
     else:
-        device = _pick_device(args.device, local_rank)
+        device = pick_device(args.device or "auto", "--device")
         dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         identity["dtype"] = dtype
         model = build_hf_model(args.target_path, None, dtype, device=device)
@@ -222,7 +199,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
 
 def run_rank(args: argparse.Namespace) -> int:
     started = time.time()
-    rank, world_size, local_rank = rank_env()
+    rank, world_size = rank_env()
     conversations, lines = read_conversations(args.input)
     rows_in_file = len(conversations)
     if args.limit is not None:
@@ -232,7 +209,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
     with StopGuard() as guard:
         try:
-            backend, tokenizer, target, default_seed = build_backend(args, local_rank)
+            backend, tokenizer, target, default_seed = build_backend(args)
             params = sampling_from_args(args, default_seed)
             if hasattr(backend, "prompt_limit"):
                 backend.prompt_limit(params)  # max_new_tokens that leaves no room for a prompt: exit 2 now
