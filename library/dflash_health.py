@@ -13,10 +13,16 @@ description:
   - C(log) - O(log_path) exists and grows (grew during the check, or is non-empty and was written within
     O(progress_window)).
   - C(unit) - the unit is active and its MainPID is alive.
-  - C(gpu) - every GPU in O(gpu_ids) uses at least O(gpu_min_memory_mib) (the model is loaded).
-  - C(progress) - the heartbeat step advances - it advanced during the check, or the heartbeat of a live trainer in
-    status C(training) was written within O(progress_window) (the trainer rewrites it at logging intervals only).
+  - C(gpu) - every GPU in O(gpu_ids) holds at least O(gpu_min_memory_mib) in processes of the unit (MainPID and its
+    descendants; memory of other processes does not count). When nvidia-smi lists no process at all (a PID
+    namespace that hides them), the GPU's total use is taken.
+  - C(progress) - a heartbeat of this launch (its pid is a process of the unit, written after the unit started)
+    advances during the check, after a first step. With O(timeout=0) (one snapshot) a heartbeat of this launch in
+    status C(training) written within O(progress_window) counts.
+  - A heartbeat of an earlier launch is never evidence; the job reads as C(starting) until this launch writes one.
   - A heartbeat with status C(finished) and a unit that exited 0 count as healthy (RV(finished)).
+  - RV(state) names what the job is doing - C(training), C(finished), C(starting), C(hung), C(crashed),
+    C(failed-to-start) or C(stopped); RV(ok) is false for C(hung), C(crashed) and C(failed-to-start).
   - A dead unit or a missing nvidia-smi ends the wait at once; any other failure that lasts O(progress_window) too.
   - "On failure the message is a diagnosis: the failed invariants and why (for example
     C(no progress: heartbeat step stayed at 12 for 60s), C(unit failed: exit status 2)), the unit state and exit
@@ -109,6 +115,38 @@ healthy:
   description: Whether all invariants held (or the job finished cleanly).
   returned: always
   type: bool
+state:
+  description: >-
+    The job's state - training, finished, starting (a launch within its progress window), hung (running, no progress
+    for a window), crashed (exited non-zero after steps of this launch), failed-to-start (exited non-zero before its
+    first step), stopped (exited 0 without finishing, or never started).
+  returned: always
+  type: str
+ok:
+  description: The state is training, finished, starting or stopped (what a status command exits 0 for).
+  returned: always
+  type: bool
+hint:
+  description: What to run for a hung job (the restart command), else null.
+  returned: always
+  type: str
+unit_pids:
+  description: MainPID and its live descendants (the processes whose heartbeat and GPU memory count).
+  returned: always
+  type: list
+  elements: int
+heartbeat_current:
+  description: Whether the heartbeat file was written by this launch.
+  returned: always
+  type: bool
+checkpoint:
+  description: Name of the newest checkpoint (C(checkpoints/latest)), or null.
+  returned: always
+  type: str
+checkpoint_step:
+  description: Step of the newest checkpoint, or null.
+  returned: always
+  type: int
 finished:
   description: The heartbeat says C(finished) and the unit exited 0.
   returned: always
@@ -132,7 +170,7 @@ unit:
   returned: always
   type: dict
 step:
-  description: Heartbeat step.
+  description: Heartbeat step (of this launch only; null before its first heartbeat).
   returned: always
   type: int
 epoch:
@@ -144,7 +182,7 @@ loss:
   returned: always
   type: float
 tokens_per_s:
-  description: Heartbeat throughput.
+  description: Heartbeat throughput, only while the state is training or finished.
   returned: always
   type: float
 tau:
@@ -183,10 +221,29 @@ elapsed_s:
   type: float
 """
 
+import time
+
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.dflash_health import check_health
 from ansible.module_utils.dflash_host import ModuleHost
-from ansible.module_utils.dflash_unit import UnitError, default_state_dir, get_backend, resolve_backend
+from ansible.module_utils.dflash_unit import (
+    UnitError,
+    default_state_dir,
+    get_backend,
+    resolve_backend,
+    unit_name,
+)
+
+
+def launch_started_at(host, backend_name, params):
+    """Wall-clock start of the unit's current or last launch (systemd keeps it for failed units too), or None."""
+    if backend_name != "systemd":
+        return None
+    rc, out, _err = host.run(["systemctl", "show", unit_name(params["name"]), "--property=ExecMainStartTimestampMonotonic"])
+    value = out.strip().partition("=")[2] if rc == 0 else ""
+    if not value.isdigit() or int(value) == 0:
+        return None
+    return time.time() - (time.monotonic() - int(value) / 1e6)
 
 
 def main():
@@ -217,6 +274,7 @@ def main():
         def status_probe():
             status = backend.status(spec)
             status["backend"] = backend.name
+            status["started_at"] = launch_started_at(host, backend.name, params)
             return status
 
         result = check_health(host, params, status_probe)

@@ -1,20 +1,26 @@
 # Copyright: dflash authors
 # Apache-2.0
-"""Is the training job really training? The invariants of DESIGN.md §1 and a diagnosis when not.
+"""Is the training job really training? The invariants of DESIGN.md §1, the job's state and a diagnosis.
 
 Invariants (names as returned in ``failed_invariants``):
 
-* ``log``      - the log file exists and grows (grew during the check, or is non-empty and
-                 was written within ``progress_window``).
+* ``log``      - the log file exists and grows (grew during the check, or was written within
+                 ``progress_window``).
 * ``unit``     - the unit is active and its MainPID is alive.
-* ``gpu``      - every listed GPU uses at least ``gpu_min_memory_mib`` (the model is loaded).
-* ``progress`` - the heartbeat step advances: it advanced during the check, or the heartbeat
-                 of a live trainer in status ``training`` is younger than ``progress_window``
-                 (the trainer rewrites it only at logging intervals, i.e. after steps).
+* ``gpu``      - every listed GPU holds at least ``gpu_min_memory_mib`` in processes of the unit
+                 (MainPID and its descendants); another job's memory does not count.
+* ``progress`` - a heartbeat of *this launch* (written by a process of the unit, after the unit
+                 started) advances: its step grows during the check, after a first step. A one-snapshot
+                 check (``timeout: 0``, status) accepts a heartbeat of this launch in status
+                 ``training`` written within ``progress_window``.
 
-A job whose heartbeat says ``finished`` and whose unit exited 0 is healthy (and ``finished``).
-A failure that cannot heal (the unit is dead, nvidia-smi is missing) ends the wait at once;
-any other failure ends it when it has lasted ``progress_window`` or at ``timeout``.
+A heartbeat of an earlier launch (its pid is not the unit's, or it was written before the unit
+started) is never evidence: the job reads as ``starting`` until this launch writes its own.
+
+The job's state: ``training``, ``finished``, ``starting`` (within the progress window of a launch),
+``hung`` (running without progress for a window), ``crashed`` (exited non-zero after training
+steps of this launch), ``failed-to-start`` (exited non-zero before its first step), ``stopped``
+(exited 0 without finishing: a stop on purpose, or never started).
 """
 
 from __future__ import annotations
@@ -23,11 +29,18 @@ import json
 import os
 import time
 
-from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, gpus_below, query_gpus
+from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, query_gpus
 from ansible.module_utils.dflash_host import read_text, tail_lines
 from ansible.module_utils.dflash_unit import is_running, pid_alive
 
 INVARIANTS = ("log", "unit", "gpu", "progress")
+TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED = (
+    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped")
+# States a script may treat as fine (exit 0 of status): healthy, or not running on purpose.
+OK_STATES = (TRAINING, FINISHED, STARTING, STOPPED)
+RESTART_HINT = "restart it with -e dflash_job_state=restarted (ansible-playbook playbooks/train.yml or deploy.yml)"
+# A heartbeat's time may precede the unit's start by clock granularity only.
+LAUNCH_SLACK_S = 2.0
 
 
 def read_heartbeat(path):
@@ -44,8 +57,62 @@ def read_heartbeat(path):
     return data, None
 
 
+def _stat_fields(pid):
+    text = read_text(f"/proc/{int(pid)}/stat")
+    if not text:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def process_started_at(pid):
+    """Wall-clock start time of a live process (from /proc, against the boot clock), or None."""
+    fields = _stat_fields(pid) if pid else None
+    if not fields:
+        return None
+    try:
+        ticks = int(fields[19])
+        booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (IndexError, ValueError, AttributeError, OSError):
+        return None
+    return booted + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(main_pid):
+    """MainPID and all its live descendants (torchrun's ranks included)."""
+    if not main_pid or not pid_alive(main_pid):
+        return set()
+    children = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(name)
+        if fields and len(fields) > 1 and fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(int(name))
+    tree, todo = set(), [int(main_pid)]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def read_checkpoint(run_dir):
+    """Name and step of ``RUN_DIR/checkpoints/latest``, or (None, None)."""
+    name = (read_text(os.path.join(run_dir, "checkpoints", "latest")) or "").strip()
+    if not name:
+        return None, None
+    base = os.path.basename(name.rstrip("/"))
+    digits = base.rsplit("-", 1)[-1]
+    return base, int(digits) if digits.isdigit() else None
+
+
 def observe(host, params, backend_status, wall=None):
-    """One snapshot of everything the invariants look at."""
+    """One snapshot of everything the invariants look at.
+
+    ``backend_status`` may carry ``started_at`` (wall-clock start of the unit's current or last
+    launch); otherwise the MainPID's start time is used.
+    """
     wall = time.time() if wall is None else wall
     obs = {"wall": wall, "log_exists": False, "log_size": 0, "log_mtime": None}
     try:
@@ -55,10 +122,15 @@ def observe(host, params, backend_status, wall=None):
         pass
     unit = dict(backend_status)
     unit["main_pid_alive"] = pid_alive(unit.get("main_pid"))
+    if unit.get("started_at") is None and unit["main_pid_alive"]:
+        unit["started_at"] = process_started_at(unit["main_pid"])
     obs["unit"] = unit
+    obs["unit_pids"] = sorted(process_tree(unit.get("main_pid"))) if unit["main_pid_alive"] else []
     obs["heartbeat"], obs["heartbeat_error"] = read_heartbeat(params["heartbeat_path"])
     hb_pid = (obs["heartbeat"] or {}).get("pid")
     obs["heartbeat_pid_alive"] = pid_alive(hb_pid) if hb_pid else None
+    obs["heartbeat_current"], obs["heartbeat_stale_reason"] = heartbeat_is_current(obs)
+    obs["checkpoint"], obs["checkpoint_step"] = read_checkpoint(os.path.dirname(params["heartbeat_path"]))
     obs["gpus"], obs["gpu_processes"], obs["gpu_error"], obs["gpu_error_kind"] = [], [], None, None
     if params.get("gpu_ids"):
         try:
@@ -68,15 +140,59 @@ def observe(host, params, backend_status, wall=None):
     return obs
 
 
+def heartbeat_is_current(obs):
+    """``(True, None)`` when the heartbeat was written by this launch, else ``(False, why not)``."""
+    hb, unit = obs.get("heartbeat"), obs["unit"]
+    if hb is None:
+        return False, None
+    started = unit.get("started_at")
+    written = float(hb.get("time") or 0)
+    if started is not None and written < started - LAUNCH_SLACK_S:
+        return False, (f"it was written {started - written:.0f}s before this launch started "
+                       f"(step {hb['step']}, status {hb.get('status')}, pid {hb.get('pid')})")
+    pids = obs.get("unit_pids") or []
+    if pids and hb.get("pid") not in pids:
+        return False, (f"its pid {hb.get('pid')} is not a process of the unit (MainPID {unit.get('main_pid')}; "
+                       f"step {hb['step']}, status {hb.get('status')})")
+    if started is None and not pids and is_running(unit):
+        return False, "the unit's MainPID is not alive, so the heartbeat cannot be attributed to it"
+    return True, None
+
+
+def unit_gpu_memory(obs, gpu_ids):
+    """``{index: (MiB held by the unit's processes or None, note)}`` for the listed GPUs.
+
+    When nvidia-smi lists no process at all while memory is in use (a PID namespace that hides
+    them, as in many containers), the GPU's total use is taken and the note says so.
+    """
+    pids = set(obs.get("unit_pids") or [])
+    by_index = {g["index"]: g for g in obs["gpus"]}
+    out = {}
+    for i in gpu_ids:
+        gpu = by_index.get(i)
+        if gpu is None:
+            continue
+        procs = [p for p in obs.get("gpu_processes", ()) if p.get("gpu_index") == i or p.get("gpu_uuid") == gpu.get("uuid")]
+        if not procs:
+            out[i] = (gpu.get("memory_used_mib"), "no processes listed by nvidia-smi: the GPU's total counted")
+            continue
+        mine = [p for p in procs if p.get("pid") in pids]
+        out[i] = (sum(p.get("used_memory_mib") or 0 for p in mine),
+                  None if mine else "held by pid(s) " + ", ".join(str(p.get("pid")) for p in procs) + ", not the unit's")
+    return out
+
+
 class HealthTracker:
     """Accumulates observations; ``update`` returns the failures of the latest one.
 
     Each failure is ``{"invariant", "reason", "final"}``; ``final`` means waiting longer
     cannot help. ``now`` is a monotonic clock (seconds), observations carry wall time.
+    ``snapshot`` (one observation, no watching) judges progress by the heartbeat's age.
     """
 
-    def __init__(self, params):
+    def __init__(self, params, snapshot=False):
         self.params = params
+        self.snapshot = snapshot
         self.window = float(params.get("progress_window", 120))
         self.started = None
         self.first_log_size = None
@@ -86,16 +202,17 @@ class HealthTracker:
         self.first_step = None
         self.failing_since = {}
         self.finished = False
+        self.state = None
 
     def update(self, obs, now):
         if self.started is None:
             self.started = now
         failures = []
         self.finished = False
-        hb = obs.get("heartbeat")
+        hb = obs.get("heartbeat") if obs.get("heartbeat_current") else None
         unit = obs["unit"]
-        unit_exit = unit.get("exit_status")
-        finished = bool(hb and hb.get("status") == "finished" and not is_running(unit) and unit_exit in (0, None))
+        running = is_running(unit)
+        finished = bool(hb and hb.get("status") == "finished" and not running and unit.get("exit_status") in (0, None))
 
         # log
         if not obs["log_exists"]:
@@ -105,18 +222,19 @@ class HealthTracker:
                 self.first_log_size = obs["log_size"]
             if obs["log_size"] > self.first_log_size:
                 self.log_grew = True
-            recent = obs["log_mtime"] is not None and obs["wall"] - obs["log_mtime"] <= self.window
+            age = obs["wall"] - obs["log_mtime"] if obs["log_mtime"] is not None else None
+            recent = age is not None and age <= self.window
             if not (self.log_grew or (obs["log_size"] > 0 and recent) or finished):
                 failures.append(
-                    ("log", f"log file {self.params['log_path']} did not grow for {now - self.started:.0f}s "
-                     f"(size {obs['log_size']} bytes)", False)
+                    ("log", f"log file {self.params['log_path']} last written {age:.0f}s ago "
+                     f"(size {obs['log_size']} bytes, progress window {self.window:.0f}s)", False)
                 )  # fmt: skip
 
         # unit
         if finished:
             pass
-        elif not is_running(unit):
-            if unit.get("exit_status") not in (None,):
+        elif not running:
+            if unit.get("exit_status") is not None:
                 reason = f"unit {unit['active_state']}: exit status {unit['exit_status']}"
             elif unit.get("load_state") == "not-found":
                 reason = "unit not found: it was never started, or it exited and was unloaded"
@@ -130,24 +248,11 @@ class HealthTracker:
 
         # gpu
         gpu_ids = self.params.get("gpu_ids") or []
-        if gpu_ids and not finished:
-            if obs.get("gpu_error"):
-                final = obs.get("gpu_error_kind") in ("missing", "driver_mismatch", "no_driver")
-                failures.append(("gpu", obs["gpu_error"], final))
-            else:
-                present = {g["index"] for g in obs["gpus"]}
-                absent = [i for i in gpu_ids if i not in present]
-                if absent:
-                    failures.append(("gpu", f"GPU(s) {absent} not visible to nvidia-smi (visible: {sorted(present)})", True))
-                low = [(i, used) for i, used in gpus_below(obs["gpus"], gpu_ids, self.params["gpu_min_memory_mib"]) if i in present]
-                if low:
-                    detail = ", ".join(f"GPU {i}: {'?' if used is None else used} MiB" for i, used in low)
-                    failures.append(
-                        ("gpu", f"GPU memory below {self.params['gpu_min_memory_mib']} MiB (model not loaded?): {detail}", False)
-                    )
+        if gpu_ids and running:
+            failures.extend(self._gpu(obs, gpu_ids))
 
         # progress
-        if not finished:
+        if running:
             failures.extend(self._progress(obs, now))
 
         for invariant in INVARIANTS:
@@ -159,62 +264,115 @@ class HealthTracker:
             # Anything failing for a whole progress window will not heal by waiting.
             result.append({"invariant": invariant, "reason": reason, "final": final or now - since >= self.window})
         self.finished = finished and not result
+        self.state = self._state(obs, result, finished)
         return result
+
+    def _gpu(self, obs, gpu_ids):
+        if obs.get("gpu_error"):
+            final = obs.get("gpu_error_kind") in ("missing", "driver_mismatch", "no_driver")
+            return [("gpu", obs["gpu_error"], final)]
+        failures = []
+        present = {g["index"] for g in obs["gpus"]}
+        absent = [i for i in gpu_ids if i not in present]
+        if absent:
+            failures.append(("gpu", f"GPU(s) {absent} not visible to nvidia-smi (visible: {sorted(present)})", True))
+        minimum = self.params["gpu_min_memory_mib"]
+        low = []
+        for i, (used, note) in sorted(unit_gpu_memory(obs, gpu_ids).items()):
+            if used is None or used < minimum:
+                low.append(f"GPU {i}: {'?' if used is None else used} MiB" + (f" ({note})" if note else ""))
+        if low:
+            failures.append(("gpu", f"GPU memory of the unit's processes below {minimum} MiB (model not loaded?): "
+                             + ", ".join(low), False))  # fmt: skip
+        return failures
 
     def _progress(self, obs, now):
         hb = obs.get("heartbeat")
-        if hb is None:
-            return [("progress", f"no heartbeat: {obs['heartbeat_error']}", False)]
+        launched = obs["unit"].get("started_at")
+        launch_age = obs["wall"] - launched if launched else None
+        if not obs.get("heartbeat_current"):
+            why = obs.get("heartbeat_stale_reason") or f"no heartbeat: {obs['heartbeat_error']}"
+            if hb is not None:
+                why = "the heartbeat file is not this launch's: " + why
+            if launch_age is not None and launch_age > self.window:
+                return [("progress", f"no progress: no heartbeat from this launch {launch_age:.0f}s after it started ({why})", True)]
+            return [("progress", f"no progress yet: {why}", False)]
         step = hb["step"]
         status = hb.get("status")
         if status == "failed":
-            return [("progress", f"trainer reported status 'failed' at step {step}", True)]
+            error = f": {hb['error']}" if hb.get("error") else ""
+            return [("progress", f"trainer reported status 'failed' at step {step}{error}", True)]
+        age = obs["wall"] - float(hb.get("time") or 0)
+        if status == "starting" or step == 0:
+            observed = max(age, 0.0)
+            return [("progress", f"no progress yet: heartbeat status {status!r}, step {step} for {observed:.0f}s",
+                     launch_age is not None and launch_age > self.window)]  # fmt: skip
         if self.first_step is None:
             self.first_step = step
         if step != self.step:
             self.step, self.step_since = step, now
-        advanced = step > self.first_step
-        alive = bool(obs.get("heartbeat_pid_alive"))
-        age = obs["wall"] - float(hb.get("time") or 0)
-        if alive and (advanced or (status == "training" and step > 0 and age <= self.window)):
+        if self.snapshot:
+            if status == "training" and age <= self.window:
+                return []
+            return [("progress", f"no progress: heartbeat step stayed at {step} for {age:.0f}s", age > self.window)]
+        if step > self.first_step:
             return []
-        observed = now - self.step_since
-        if not alive:
-            return [("progress", f"no progress: the heartbeat's trainer pid {hb.get('pid')} is not running "
-                     f"(heartbeat step {step}, status {status}, written {age:.0f}s ago)", False)]  # fmt: skip
-        if status == "starting" or step == 0:
-            return [("progress", f"no progress yet: heartbeat status {status!r}, step {step} for {observed:.0f}s", False)]
-        stayed = max(observed, age)
+        stayed = max(now - self.step_since, age)
         return [("progress", f"no progress: heartbeat step stayed at {step} for {stayed:.0f}s", stayed >= self.window)]
 
+    def _state(self, obs, failures, finished):
+        unit = obs["unit"]
+        hb = obs.get("heartbeat") if obs.get("heartbeat_current") else None
+        if finished:
+            return FINISHED
+        if is_running(unit):
+            if not failures:
+                return TRAINING
+            if hb and hb.get("status") == "failed":
+                return CRASHED
+            return HUNG if any(f["final"] for f in failures) else STARTING
+        exit_status = unit.get("exit_status")
+        if exit_status in (0, None) or (hb and hb.get("status") == "stopped"):
+            return STOPPED
+        trained = hb is not None and hb["step"] > 0 and hb.get("status") in ("training", "failed", "stopped")
+        return CRASHED if trained else FAILED_TO_START
 
-def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, finished=False):
+
+def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, finished=False, state=None):
     unit = obs["unit"]
     hb = obs.get("heartbeat") or {}
+    current = obs.get("heartbeat_current")
     if healthy:
         head = f"dflash job {name!r} is healthy" + (" (finished)" if finished else "") + f" after {elapsed:.0f}s"
     else:
-        head = f"dflash job {name!r} is NOT healthy after {elapsed:.0f}s:"
+        head = f"dflash job {name!r} is NOT healthy ({state}) after {elapsed:.0f}s:"
     lines = [head]
     for failure in failures:
         lines.append(f"  - {failure['invariant']}: {failure['reason']}")
+    if state == HUNG:
+        lines.append(f"the job is hung: {RESTART_HINT}")
     lines.append(
         f"unit: backend={unit.get('backend', '?')} active_state={unit.get('active_state')} sub_state={unit.get('sub_state')} "
         f"main_pid={unit.get('main_pid') or '-'} exit_status={'-' if unit.get('exit_status') is None else unit['exit_status']}"
     )
-    if hb:
+    if hb and current:
         age = obs["wall"] - float(hb.get("time") or 0)
+        rate = hb.get("tokens_per_s") if state in (TRAINING, FINISHED, None) else None
         lines.append(
             f"heartbeat: step={hb.get('step')} epoch={hb.get('epoch')} status={hb.get('status')} "
-            f"loss={hb.get('loss')} tau={hb.get('tau')} tokens/s={hb.get('tokens_per_s')} age={age:.0f}s"
+            f"loss={hb.get('loss')} tau={hb.get('tau')} tokens/s={rate if rate is not None else '-'} age={age:.0f}s"
         )
         if hb.get("eval_step") is not None:
             lines.append(
                 f"last eval (step {hb.get('eval_step')}): simulated tau={hb.get('eval_tau')} "
                 f"real acceptance length={hb.get('eval_acceptance_length')} (speculative decoding with the target)"
             )
+    elif hb:
+        lines.append(f"heartbeat: none from this launch ({obs.get('heartbeat_stale_reason')})")
     else:
         lines.append(f"heartbeat: {obs.get('heartbeat_error')}")
+    if obs.get("checkpoint"):
+        lines.append(f"checkpoint: {obs['checkpoint']} (the job resumes from it)")
     if obs.get("gpus") or obs.get("gpu_error"):
         lines.append("GPUs:")
         lines.append(obs["gpu_error"] if obs.get("gpu_error") else format_gpu_table(obs["gpus"], obs.get("gpu_processes", ())))
@@ -226,41 +384,60 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
     return "\n".join(lines)
 
 
+def _sleep_for(poll_interval, polls):
+    # Fast at first (a healthy tiny job advances within a second), then the configured interval.
+    return min(float(poll_interval), 0.25 * (2**polls))
+
+
 def check_health(host, params, status_probe, wall_clock=time.time):
     """Poll until all invariants hold, one is final, or ``timeout``. Returns the module result.
 
-    ``status_probe()`` returns the unit status dict (see dflash_unit backends).
+    ``status_probe()`` returns the unit status dict (see dflash_unit backends), optionally with
+    ``started_at``. ``timeout: 0`` takes one snapshot.
     """
-    tracker = HealthTracker(params)
-    start = host.now()
     timeout = float(params.get("timeout", 300))
+    tracker = HealthTracker(params, snapshot=timeout <= 0)
+    start = host.now()
+    polls = 0
     while True:
         obs = observe(host, params, status_probe(), wall=wall_clock())
         now = host.now()
         failures = tracker.update(obs, now)
         if not failures or any(f["final"] for f in failures) or now - start >= timeout:
             break
-        host.sleep(min(float(params.get("poll_interval", 5)), max(0.0, timeout - (now - start))) or 0.1)
+        host.sleep(min(_sleep_for(params.get("poll_interval", 5), polls), max(0.0, timeout - (now - start))) or 0.1)
+        polls += 1
     elapsed = host.now() - start
     log_tail = tail_lines(params["log_path"], int(params.get("log_lines", 40)))
     healthy = not failures
-    hb = obs.get("heartbeat") or {}
-    diagnosis = format_diagnosis(params["name"], healthy, failures, obs, log_tail, elapsed, params["log_path"], tracker.finished)
+    state = tracker.state
+    # Only this launch's heartbeat speaks for the job; a rate is reported only while it trains.
+    hb = obs.get("heartbeat") if obs.get("heartbeat_current") else {}
+    hb = hb or {}
+    diagnosis = format_diagnosis(params["name"], healthy, failures, obs, log_tail, elapsed, params["log_path"],
+                                 tracker.finished, state)  # fmt: skip
     return {
         "healthy": healthy,
         "finished": tracker.finished,
+        "state": state,
+        "ok": state in OK_STATES,
         "failed_invariants": [f["invariant"] for f in failures],
         "failures": [{"invariant": f["invariant"], "reason": f["reason"]} for f in failures],
         "diagnosis": diagnosis,
+        "hint": RESTART_HINT if state == HUNG else None,
         "unit": obs["unit"],
+        "unit_pids": obs.get("unit_pids", []),
         "step": hb.get("step"),
         "epoch": hb.get("epoch"),
         "loss": hb.get("loss"),
-        "tokens_per_s": hb.get("tokens_per_s"),
+        "tokens_per_s": hb.get("tokens_per_s") if state in (TRAINING, FINISHED) else None,
         "tau": hb.get("tau"),
         "eval_tau": hb.get("eval_tau"),
         "acceptance_length": hb.get("eval_acceptance_length"),
         "heartbeat": obs.get("heartbeat"),
+        "heartbeat_current": bool(obs.get("heartbeat_current")),
+        "checkpoint": obs.get("checkpoint"),
+        "checkpoint_step": obs.get("checkpoint_step"),
         "gpus": obs.get("gpus", []),
         "gpu_processes": obs.get("gpu_processes", []),
         "gpu_table": format_gpu_table(obs["gpus"], obs.get("gpu_processes", ())) if obs.get("gpus") else None,

@@ -1,4 +1,5 @@
-"""Health invariants and diagnosis on real files: advancing, stalled, missing log, dead unit, finished."""
+"""Health invariants, the job's state and the diagnosis on real files and processes: advancing, stalled, a
+heartbeat of an earlier launch, GPU memory of other processes, missing log, dead unit, stopped, finished."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import threading
 import time
 
 import pytest
-from ansible.module_utils.dflash_health import HealthTracker, check_health
+from ansible.module_utils.dflash_health import check_health
 from ansible.module_utils.dflash_host import LocalHost
 from ansible.module_utils.dflash_unit import DaemonBackend
 from test_ansible_unit_daemon import wait_for
 
+# The unit is this test process, launched an hour ago.
 ACTIVE = {"load_state": "loaded", "active_state": "active", "sub_state": "running", "main_pid": os.getpid(),
-          "exit_status": None, "result": None, "backend": "daemon"}  # fmt: skip
+          "exit_status": None, "result": None, "backend": "daemon", "started_at": time.time() - 3600}  # fmt: skip
 
 
 def write_heartbeat(path, step, status="training", pid=None, age=0.0, **extra):
@@ -40,14 +42,18 @@ class Trainer(threading.Thread):
     def __init__(self, tmp_path, start_step=0):
         super().__init__(daemon=True)
         self.tmp_path, self.step, self.running = tmp_path, start_step, True
+        self.tick()  # the first step is written before the check starts
+
+    def tick(self):
+        self.step += 1
+        with open(self.tmp_path / "job.log", "a") as log:
+            log.write(f"step {self.step} epoch 0 loss 3.2100 acc@1 0.120 tau 1.05 tok/s 1234 lr 6.00e-04 mem 0.10GiB\n")
+        write_heartbeat(self.tmp_path / "heartbeat.json", self.step)
 
     def run(self):
         while self.running:
-            self.step += 1
-            with open(self.tmp_path / "job.log", "a") as log:
-                log.write(f"step {self.step} epoch 0 loss 3.2100 acc@1 0.120 tau 1.05 tok/s 1234 lr 6.00e-04 mem 0.10GiB\n")
-            write_heartbeat(self.tmp_path / "heartbeat.json", self.step)
             time.sleep(0.05)
+            self.tick()
 
 
 def test_advancing_trainer_is_healthy(tmp_path):
@@ -73,28 +79,88 @@ def test_stalled_heartbeat_is_diagnosed(tmp_path):
     assert not result["healthy"] and set(result["failed_invariants"]) == {"log", "progress"}
     reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
     assert reasons["progress"] == "no progress: heartbeat step stayed at 12 for 60s"
-    assert "did not grow" in reasons["log"]
+    assert "last written 100s ago" in reasons["log"]
     assert "NOT healthy" in result["diagnosis"] and "progress: no progress: heartbeat step stayed at 12" in result["diagnosis"]
     assert "  | step 12 epoch 0 loss 3.2100" in result["diagnosis"]
 
 
-def test_fresh_heartbeat_that_stops_advancing_fails_after_the_window(tmp_path):
+def test_fresh_heartbeat_that_does_not_advance_is_not_progress(tmp_path):
+    """The recorded GPU deploy: a heartbeat at step 1 with the same time through the whole check is a hang."""
+    (tmp_path / "job.log").write_text("step 1\n")
+    write_heartbeat(tmp_path / "heartbeat.json", 1)
+    result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=4), lambda: dict(ACTIVE))
+    assert not result["healthy"] and result["state"] == "hung" and not result["ok"]
+    assert "progress" in result["failed_invariants"]
+    reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
+    assert reasons["progress"].startswith("no progress: heartbeat step stayed at 1 for ")
+    assert result["tokens_per_s"] is None  # a hung job shows no rate
+    assert "restart it with -e dflash_job_state=restarted" in result["diagnosis"] and result["hint"]
+
+
+def test_snapshot_reads_a_fresh_heartbeat_as_training_and_an_old_one_as_hung(tmp_path):
     (tmp_path / "job.log").write_text("step 7\n")
     write_heartbeat(tmp_path / "heartbeat.json", 7)
-    started = time.monotonic()
-    result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=4), lambda: dict(ACTIVE))
-    # Healthy at first (the heartbeat is fresh), so it is reported healthy: a snapshot, not a watch.
-    assert result["healthy"]
-    tracker = HealthTracker(params(tmp_path, progress_window=1))
-    obs = {"wall": time.time() + 1.5, "log_exists": True, "log_size": 7, "log_mtime": time.time() + 1.5, "unit": {**ACTIVE, "main_pid_alive": True},
-           "heartbeat": json.loads((tmp_path / "heartbeat.json").read_text()), "heartbeat_error": None, "heartbeat_pid_alive": True,
-           "gpus": [], "gpu_processes": [], "gpu_error": None, "gpu_error_kind": None}  # fmt: skip
-    assert tracker.update(obs, now=0.0) == [{"invariant": "progress", "reason": "no progress: heartbeat step stayed at 7 for 2s", "final": True}]
-    assert time.monotonic() - started < 3
+    result = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30), lambda: dict(ACTIVE))
+    assert result["healthy"] and result["state"] == "training" and result["tokens_per_s"] == 1234.0
+    write_heartbeat(tmp_path / "heartbeat.json", 7, age=100)
+    os.utime(tmp_path / "job.log", (time.time() - 100, time.time() - 100))
+    result = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30), lambda: dict(ACTIVE))
+    assert result["state"] == "hung" and result["step"] == 7 and result["tokens_per_s"] is None
+    reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
+    assert reasons["progress"] == "no progress: heartbeat step stayed at 7 for 100s"
+    assert reasons["log"].startswith(f"log file {tmp_path / 'job.log'} last written 100s ago")
+    assert "for 0s" not in result["diagnosis"]
+
+
+def test_earlier_launchs_failed_heartbeat_does_not_fail_the_recovery(tmp_path):
+    """Item 1: a crash left `status: failed` at step 6000; the relaunched trainer is training."""
+    (tmp_path / "job.log").write_text("x\n")
+    write_heartbeat(tmp_path / "heartbeat.json", 6000, status="failed", pid=1, age=30, error="No space left on device")
+    launched = {**ACTIVE, "started_at": time.time() - 5}
+    # Before the new trainer writes its own: starting, not failed.
+    result = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30), lambda: dict(launched))
+    assert result["state"] == "starting" and result["ok"] and result["step"] is None
+    assert "not this launch's" in result["failures"][0]["reason"] and "failed" not in result["failed_invariants"][0]
+    trainer = Trainer(tmp_path, start_step=6000)
+    trainer.start()
+    try:
+        result = check_health(LocalHost(), params(tmp_path, progress_window=5), lambda: dict(launched))
+    finally:
+        trainer.running = False
+    assert result["healthy"] and result["state"] == "training" and result["step"] > 6000
+
+
+def test_heartbeat_of_a_process_outside_the_unit_is_not_this_launchs(tmp_path):
+    (tmp_path / "job.log").write_text("x\n")
+    main, other = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2))
+    try:
+        write_heartbeat(tmp_path / "heartbeat.json", 40, pid=other.pid)
+        unit = {**ACTIVE, "main_pid": main.pid, "started_at": time.time() - 100}  # siblings: not the unit's
+        result = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30), lambda: dict(unit))
+    finally:
+        for proc in (main, other):
+            proc.kill()
+            proc.wait()
+    assert not result["heartbeat_current"] and result["step"] is None
+    assert f"its pid {other.pid} is not a process of the unit" in result["diagnosis"]
+
+
+def test_heartbeat_of_a_rank_below_the_main_pid_is_this_launchs(tmp_path):
+    """torchrun: the heartbeat is written by rank 0, a child of the unit's MainPID."""
+    (tmp_path / "job.log").write_text("x\n")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        write_heartbeat(tmp_path / "heartbeat.json", 40, pid=child.pid)
+        result = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30), lambda: dict(ACTIVE))
+    finally:
+        child.kill()
+        child.wait()
+    assert result["heartbeat_current"] and result["state"] == "training" and child.pid in result["unit_pids"]
 
 
 def test_missing_log_and_heartbeat(tmp_path):
-    result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=3), lambda: dict(ACTIVE))
+    launched = {**ACTIVE, "started_at": time.time()}
+    result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=3), lambda: dict(launched))
     assert set(result["failed_invariants"]) == {"log", "progress"}
     assert f"log file {tmp_path / 'job.log'} does not exist" in result["diagnosis"]
     assert f"no heartbeat: heartbeat file {tmp_path / 'heartbeat.json'} does not exist" in result["diagnosis"]
@@ -127,7 +193,46 @@ def test_heartbeat_of_a_dead_trainer_is_not_progress(tmp_path):
     write_heartbeat(tmp_path / "heartbeat.json", 500, pid=dead_pid)  # left over from the previous run
     result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=2), lambda: dict(ACTIVE))
     reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
-    assert f"trainer pid {dead_pid} is not running" in reasons["progress"]
+    assert f"its pid {dead_pid} is not a process of the unit" in reasons["progress"]
+    assert result["state"] == "hung" and result["step"] is None
+
+
+def _dead(exit_status, **kw):
+    return {**ACTIVE, "active_state": "failed" if exit_status else "inactive", "sub_state": "dead", "main_pid": None,
+            "exit_status": exit_status, "started_at": time.time() - 60, **kw}
+
+
+@pytest.mark.parametrize(
+    ("exit_status", "heartbeat", "state"),
+    [
+        (0, {"step": 52, "status": "stopped"}, "stopped"),  # SIGTERM: checkpointed and exited 0
+        (None, None, "stopped"),  # never started
+        (1, {"step": 6000, "status": "failed"}, "crashed"),
+        (137, {"step": 300, "status": "training"}, "crashed"),
+        (2, {"step": 0, "status": "failed"}, "failed-to-start"),
+        (2, {"step": 6000, "status": "failed", "age": 3600}, "failed-to-start"),  # the heartbeat is an earlier launch's
+        (0, {"step": 100, "status": "finished"}, "finished"),
+    ],
+)
+def test_states_of_a_dead_unit(tmp_path, exit_status, heartbeat, state):
+    (tmp_path / "job.log").write_text("x\n")
+    if heartbeat:
+        write_heartbeat(tmp_path / "heartbeat.json", heartbeat["step"], status=heartbeat["status"], pid=1,
+                        age=heartbeat.get("age", 10))
+    unit = _dead(exit_status, load_state="not-found" if exit_status is None else "loaded")
+    result = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30), lambda: dict(unit))
+    assert result["state"] == state
+    assert result["ok"] == (state in ("stopped", "finished"))
+
+
+def test_checkpoint_is_reported_beside_a_reset_heartbeat(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step-00005235\n")
+    (tmp_path / "job.log").write_text("x\n")
+    write_heartbeat(tmp_path / "heartbeat.json", 0, status="failed", pid=1)
+    result = check_health(LocalHost(), params(tmp_path, timeout=0), lambda: dict(_dead(2)))
+    assert result["checkpoint"] == "step-00005235" and result["checkpoint_step"] == 5235
+    assert "checkpoint: step-00005235 (the job resumes from it)" in result["diagnosis"]
 
 
 def test_finished_job_is_healthy(tmp_path):
@@ -151,10 +256,11 @@ def test_last_eval_reports_the_real_acceptance_length_beside_the_simulated_tau(t
 
 def test_trainer_reported_failure(tmp_path):
     (tmp_path / "job.log").write_text("x\n")
-    write_heartbeat(tmp_path / "heartbeat.json", 3, status="failed")
+    write_heartbeat(tmp_path / "heartbeat.json", 3, status="failed", error="No space left on device")
     result = check_health(LocalHost(), params(tmp_path, progress_window=30, timeout=30), lambda: dict(ACTIVE))
-    assert result["failures"] == [{"invariant": "progress", "reason": "trainer reported status 'failed' at step 3"}]
-    assert result["elapsed_s"] < 2
+    assert result["failures"] == [{"invariant": "progress",
+                                   "reason": "trainer reported status 'failed' at step 3: No space left on device"}]
+    assert result["elapsed_s"] < 2 and result["state"] == "crashed"
 
 
 GPU_CSV = "0, GPU-0, NVIDIA H200, 580.159.04, 143771, {0}, 90, Disabled\n1, GPU-1, NVIDIA H200, 580.159.04, 143771, {1}, 0, Disabled\n"
@@ -171,15 +277,36 @@ def test_gpu_below_threshold_with_table(tmp_path, fake_host):
     finally:
         trainer.running = False
     assert result["failed_invariants"] == ["gpu"]
-    assert result["failures"][0]["reason"] == "GPU memory below 8192 MiB (model not loaded?): GPU 1: 3 MiB"
+    assert result["failures"][0]["reason"] == (
+        "GPU memory of the unit's processes below 8192 MiB (model not loaded?): "
+        "GPU 0: 0 MiB (held by pid(s) 4242, not the unit's), "
+        "GPU 1: 3 MiB (no processes listed by nvidia-smi: the GPU's total counted)")
     assert "70000/143771" in result["diagnosis"] and "4242 python 69000MiB" in result["diagnosis"]
+
+
+def test_gpu_memory_counts_only_the_units_processes(tmp_path, fake_host):
+    trainer = Trainer(tmp_path)
+    trainer.start()
+    apps = f"GPU-0, {os.getpid()}, python, 69000\nGPU-1, 4242, other-job, 69000\nGPU-1, {os.getpid()}, python, 9000\n"
+    try:
+        host = fake_host({"--query-gpu": (0, GPU_CSV.format(70000, 78000), ""), "--query-compute-apps": (0, apps, "")})
+        host.now, host.sleep = time.monotonic, time.sleep
+        result = check_health(host, params(tmp_path, gpu_ids=[0, 1], gpu_min_memory_mib=8192, progress_window=2, timeout=5,
+                                           poll_interval=0.1), lambda: dict(ACTIVE))  # fmt: skip
+        assert result["healthy"], result["diagnosis"]
+        result = check_health(host, params(tmp_path, gpu_ids=[0, 1], gpu_min_memory_mib=10000, progress_window=1, timeout=3,
+                                           poll_interval=0.1), lambda: dict(ACTIVE))  # fmt: skip
+    finally:
+        trainer.running = False
+    # 78000 MiB are in use on GPU 1, but only 9000 of them by the unit.
+    assert result["failed_invariants"] == ["gpu"] and "GPU 1: 9000 MiB" in result["failures"][0]["reason"]
 
 
 def test_gpu_missing_nvidia_smi_or_absent_gpu_is_final(tmp_path, fake_host):
     (tmp_path / "job.log").write_text("x\n")
     write_heartbeat(tmp_path / "heartbeat.json", 5)
     result = check_health(fake_host(which={}), params(tmp_path, gpu_ids=[0], timeout=60), lambda: dict(ACTIVE))
-    assert result["failed_invariants"] == ["gpu"] and "nvidia-smi not found" in result["diagnosis"]
+    assert "gpu" in result["failed_invariants"] and "nvidia-smi not found" in result["diagnosis"]
     host = fake_host({"--query-gpu": (0, GPU_CSV.format(70000, 70000), "")})
     result = check_health(host, params(tmp_path, gpu_ids=[0, 5], timeout=60), lambda: dict(ACTIVE))
     assert result["failures"][0]["reason"] == "GPU(s) [5] not visible to nvidia-smi (visible: [0, 1])"
