@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dflash tests bench library module_utils
+	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins
 
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q
@@ -45,19 +45,24 @@ LOCAL_JOB := dflash-tiny
 host-setup: $(STAMP)
 	scripts/host-setup.sh $(VENV)
 
+# Extra ansible-playbook arguments, e.g. make train TRAIN_ARGS="-e dflash_job_state=restarted"
+TRAIN_ARGS ?=
+
 train: host-setup
-	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/train.yml
+	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/train.yml $(TRAIN_ARGS)
 	@echo
 	@echo "Training runs in the LXC container $(LOCAL_CONTAINER), as the systemd unit $(LOCAL_JOB).service there."
 	@echo "  log:         /var/log/dflash/$(LOCAL_JOB).log  (host path: /var/lib/lxc/$(LOCAL_CONTAINER)/rootfs/var/log/dflash/$(LOCAL_JOB).log)"
 	@echo "  heartbeat:   /var/lib/dflash/runs/$(LOCAL_JOB)/heartbeat.json"
 	@echo "  checkpoints: /var/lib/dflash/runs/$(LOCAL_JOB)/checkpoints/"
 	@echo "  follow:      lxc-attach -n $(LOCAL_CONTAINER) -- tail -F /var/log/dflash/$(LOCAL_JOB).log"
-	@echo "  status:      make status"
+	@echo "  status:      make status   (exit 0 training/starting/stopped/finished, 1 hung/crashed/failed-to-start)"
+	@echo "  restart:     make train TRAIN_ARGS=\"-e dflash_job_state=restarted\""
 	@echo "  stop:        make stop"
 
+# Exit status for scripts: 0 healthy or stopped on purpose, 1 unhealthy, 2 bad input.
 status: $(STAMP)
-	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/status.yml
+	$(ANSIBLE_ENV) $(VENV)/bin/dflash ops status -i $(LOCAL_INVENTORY)
 
 stop: $(STAMP)
 	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/stop.yml

@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="YAML run config (see configs/)")
     t.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optim.lr=3e-4")
     t.add_argument("--check", action="store_true", help="validate the config and exit")
+    t.add_argument("--check-data", action="store_true",
+                   help="with --check: also read every row of data.train_path / data.eval_path as training would")
 
     d = sub.add_parser("doctor", help="report torch/CUDA/GPUs/NCCL and the hybrid-kernel fast path")
     d.add_argument("--require-fast-path", action="store_true", help="exit 1 unless the fast kernels run")
@@ -66,11 +68,21 @@ def _cmd_train(args) -> int:
 
     config = load_config(args.config, args.overrides)
     if args.check:
-        print(f"config OK: {args.config}")
+        checked = _check_data(config) if args.check_data else []
+        print(f"config OK: {args.config}" + "".join(f"; data OK: {path} ({rows} rows)" for path, rows in checked))
         return EXIT_OK
     from dflash.launch import run_training
 
     return run_training(config, args.config, args.overrides)
+
+
+def _check_data(config) -> list[tuple[str, int]]:
+    """Read the run's JSONL files with the trainer's own reader: a bad row is the BadInput training would hit."""
+    from dflash.data.chat import read_jsonl
+
+    d = config.data
+    paths = ([d.train_path] if d.train_path and d.synthetic is None else []) + ([d.eval_path] if d.eval_path else [])
+    return [(path, len(read_jsonl(path))) for path in paths]
 
 
 def _cmd_doctor(args) -> int:

@@ -9,20 +9,29 @@ DOCUMENTATION = r"""
 module: dflash_sync
 short_description: Publish a source tree as a checksummed, atomically swapped release
 description:
-  - Computes a sha256 manifest (path, content hash, executable bit) of O(src), a directory on the managed host
-    (typically filled by M(ansible.builtin.copy), which is itself checksum-based).
+  - Computes a sha256 manifest (path, content hash, executable bit) of O(src), a directory on the managed host,
+    or of O(archive), a tar file on the managed host read member by member (no staging directory).
   - If the manifest equals the one of the release that C(DEST/current) points to, nothing changes.
   - Otherwise the tree is copied into C(DEST/releases/.tmp-*), every file and directory is fsynced, the directory is
     renamed to C(DEST/releases/<first 16 hex digits of the manifest hash>), and C(DEST/current) is swapped
     atomically (a temp symlink renamed over the old one). A kept release with the same hash is reused (rollback).
   - Old releases beyond O(keep) are deleted, never the current one.
+  - With O(publish=false) the release is built but C(DEST/current) is left alone (RV(pending) says a publish is
+    due), so the new code can be validated first; a second call with O(publish=true) swaps C(current).
 version_added: "0.1.0"
 author: dflash authors
 options:
   src:
-    description: Staging directory on the managed host holding the tree to publish.
+    description: Directory on the managed host holding the tree to publish. Exactly one of O(src) and O(archive).
     type: path
-    required: true
+  archive:
+    description: Tar archive on the managed host holding the tree to publish (as made by GNU tar, uncompressed or
+      compressed). Only regular files and symlinks inside the tree are accepted.
+    type: path
+  publish:
+    description: Swap C(DEST/current) to the release. V(false) only builds it.
+    type: bool
+    default: true
   dest:
     description: Releases root; the module manages C(DEST/releases/) and the C(DEST/current) symlink.
     type: path
@@ -63,11 +72,25 @@ EXAMPLES = r"""
     exclude: ["__pycache__", "*.pyc"]
     keep: 3
   register: dflash_code
+
+- name: Build the release of a source tarball without using it yet
+  dflash_sync:
+    archive: /opt/dflash/archives/source.tar
+    dest: /opt/dflash
+    publish: false
+  register: dflash_code
+
+- name: Publish it once it has been validated
+  dflash_sync:
+    archive: /opt/dflash/archives/source.tar
+    dest: /opt/dflash
+  when: dflash_code.pending
 """
 
 RETURN = r"""
 changed:
-  description: Whether C(current) now points at a different release.
+  description: Whether C(current) now points at a different release (with O(publish=false) - whether a new release
+    directory was built).
   returned: always
   type: bool
 release:
@@ -88,6 +111,14 @@ manifest_hash:
   description: sha256 of the manifest of O(src).
   returned: always
   type: str
+published:
+  description: C(current) was swapped to RV(release) by this call.
+  returned: always
+  type: bool
+pending:
+  description: With O(publish=false), RV(release) differs from C(current) (a publish is due).
+  returned: always
+  type: bool
 files:
   description: Number of files in the release.
   returned: always
@@ -124,21 +155,28 @@ from ansible.module_utils.dflash_sync import SyncError, sync
 def main():
     module = AnsibleModule(
         argument_spec={
-            "src": {"type": "path", "required": True},
+            "src": {"type": "path"},
+            "archive": {"type": "path"},
+            "publish": {"type": "bool", "default": True},
             "dest": {"type": "path", "required": True},
             "exclude": {"type": "list", "elements": "str", "default": ["__pycache__", "*.pyc", ".git"]},
             "keep": {"type": "int", "default": 3},
         },
+        mutually_exclusive=[("src", "archive")],
+        required_one_of=[("src", "archive")],
         supports_check_mode=True,
     )
     p = module.params
-    if module.check_mode and not os.path.isdir(p["src"]):
+    source = p["src"] or p["archive"]
+    if module.check_mode and not os.path.exists(source):
         # A first run in check mode: the copy into src was only simulated.
-        module.warn(f"src {p['src']} does not exist (check mode: assuming an earlier task creates it)")
-        module.exit_json(changed=True, release=None, current=os.path.join(p["dest"], "current"), previous_release=None,
-                         manifest_hash=None, files=0, files_added=[], files_removed=[], files_modified=[], pruned=[])  # fmt: skip
+        module.warn(f"{source} does not exist (check mode: assuming an earlier task creates it)")
+        module.exit_json(changed=True, published=False, pending=True, release=None, current=os.path.join(p["dest"], "current"),
+                         previous_release=None, manifest_hash=None, files=0, files_added=[], files_removed=[], files_modified=[],
+                         pruned=[])  # fmt: skip
     try:
-        result = sync(p["src"], p["dest"], exclude=p["exclude"], keep=p["keep"], check_mode=module.check_mode)
+        result = sync(p["src"], p["dest"], exclude=p["exclude"], keep=p["keep"], check_mode=module.check_mode,
+                      archive=p["archive"], publish=p["publish"])  # fmt: skip
     except SyncError as exc:
         module.fail_json(msg=str(exc))
     except OSError as exc:

@@ -20,7 +20,8 @@ started) is never evidence: the job reads as ``starting`` until this launch writ
 The job's state: ``training``, ``finished``, ``starting`` (within the progress window of a launch),
 ``hung`` (running without progress for a window), ``crashed`` (exited non-zero after training
 steps of this launch), ``failed-to-start`` (exited non-zero before its first step), ``stopped``
-(exited 0 without finishing: a stop on purpose, or never started).
+(exited 0 or by SIGTERM without finishing: a stop on purpose, or never started). A stop that
+needed SIGKILL after the stop timeout (137) reads as ``crashed``.
 """
 
 from __future__ import annotations
@@ -332,7 +333,8 @@ class HealthTracker:
                 return CRASHED
             return HUNG if any(f["final"] for f in failures) else STARTING
         exit_status = unit.get("exit_status")
-        if exit_status in (0, None) or (hb and hb.get("status") == "stopped"):
+        # SIGTERM (143) is a stop: systemd counts it a success (Result=success) as well.
+        if exit_status in (0, None, 143) or unit.get("result") == "success" or (hb and hb.get("status") == "stopped"):
             return STOPPED
         trained = hb is not None and hb["step"] > 0 and hb.get("status") in ("training", "failed", "stopped")
         return CRASHED if trained else FAILED_TO_START

@@ -6,6 +6,10 @@ A release is identified by the sha256 of its manifest (sorted ``path``, file sha
 executable bit). Syncing an unchanged tree changes nothing; a changed tree is copied into
 a temp directory, fsynced, renamed into place, and ``current`` is swapped with
 symlink-then-rename so a reader always sees a whole release.
+
+The source is a directory or a tar archive (read member by member: no staging directory
+that two deploys could share). ``publish=False`` builds the release without swapping
+``current``, so the new code can be validated before anything uses it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import os
 import shutil
 import stat
+import tarfile
 import uuid
 
 from ansible.module_utils.dflash_host import fsync_dir, read_text
@@ -63,6 +68,46 @@ def build_manifest(src, exclude=()):
     return manifest
 
 
+def _archive_members(archive, exclude=()):
+    """``{relpath: TarInfo}`` of the regular files and symlinks of ``archive`` (refuses unsafe paths)."""
+    members = {}
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            rel = os.path.normpath(member.name)
+            if os.path.isabs(rel) or rel == ".." or rel.startswith("../"):
+                raise SyncError(f"archive {archive}: member {member.name!r} points outside the release")
+            if rel == "." or member.isdir():
+                continue
+            if rel == MANIFEST_NAME or is_excluded(rel, exclude):
+                continue
+            if not (member.isfile() or member.issym()):
+                raise SyncError(f"archive {archive}: member {member.name!r} is neither a file nor a symlink")
+            members[rel] = member
+    return members
+
+
+def build_archive_manifest(archive, exclude=()):
+    """The manifest of the tree a tar archive holds, computed without unpacking it."""
+    if not os.path.isfile(archive):
+        raise SyncError(f"archive {archive!r} does not exist: copy the source tarball there first")
+    try:
+        members = _archive_members(archive, exclude)
+        manifest = {}
+        with tarfile.open(archive) as tar:
+            for rel, member in sorted(members.items()):
+                if member.issym():
+                    manifest[rel] = {"sha256": "link:" + member.linkname, "mode": "link"}
+                    continue
+                digest = hashlib.sha256()
+                with tar.extractfile(member) as handle:
+                    while chunk := handle.read(1 << 20):
+                        digest.update(chunk)
+                manifest[rel] = {"sha256": digest.hexdigest(), "mode": "0755" if member.mode & 0o111 else "0644"}
+    except (tarfile.TarError, EOFError) as exc:
+        raise SyncError(f"archive {archive!r} is not a readable tar file ({exc}): copy it again") from exc
+    return manifest, members
+
+
 def manifest_hash(manifest):
     blob = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
@@ -99,26 +144,40 @@ def release_manifest(release_dir):
     return release_dir, (data or {}).get("files")
 
 
-def _copy_tree(src, dest_dir, manifest):
-    for rel, entry in sorted(manifest.items()):
-        source = os.path.join(src, rel)
-        target = os.path.join(dest_dir, rel)
-        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
-        if entry["mode"] == "link":
-            os.symlink(os.readlink(source), target)
-            continue
-        shutil.copyfile(source, target, follow_symlinks=False)
-        os.chmod(target, int(entry["mode"], 8))
-        if file_sha256(target) != entry["sha256"]:
-            raise SyncError(f"{source} changed while it was being copied: run the sync again")
-        fd = os.open(target, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _copy_tree(src, dest_dir, manifest, archive=None):
+    tar = tarfile.open(archive) if archive else None
+    members = _archive_members(archive) if archive else {}
+    try:
+        for rel, entry in sorted(manifest.items()):
+            _copy_entry(src, tar, members.get(rel), rel, entry, dest_dir)
+    finally:
+        if tar is not None:
+            tar.close()
     for root, _dirs, _files in os.walk(dest_dir, topdown=False):
         os.chmod(root, 0o755)
         fsync_dir(root)
+
+
+def _copy_entry(src, tar, member, rel, entry, dest_dir):
+    source = os.path.join(src, rel) if src else f"{rel} of the archive"
+    target = os.path.join(dest_dir, rel)
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if entry["mode"] == "link":
+        os.symlink(entry["sha256"][len("link:"):], target)
+        return
+    if tar is not None:
+        with tar.extractfile(member) as handle, open(target, "wb") as out:
+            shutil.copyfileobj(handle, out)
+    else:
+        shutil.copyfile(source, target, follow_symlinks=False)
+    os.chmod(target, int(entry["mode"], 8))
+    if file_sha256(target) != entry["sha256"]:
+        raise SyncError(f"{source} changed while it was being copied: run the sync again")
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def swap_symlink(link, target):
@@ -157,20 +216,28 @@ def prune_releases(releases_dir, keep, protect):
     return removed
 
 
-def sync(src, dest, exclude=(), keep=3, check_mode=False):
-    """Make ``DEST/current`` a release with exactly the content of ``src``. Returns the module result."""
+def sync(src, dest, exclude=(), keep=3, check_mode=False, archive=None, publish=True):
+    """Make ``DEST/current`` a release with exactly the content of ``src`` (a directory) or ``archive``
+    (a tar file); with ``publish=False`` only build that release. Returns the module result."""
     if keep < 1:
         raise SyncError(f"keep={keep}: at least the current release must be kept (keep >= 1)")
-    manifest = build_manifest(src, exclude)
+    if (src is None) == (archive is None):
+        raise SyncError("give exactly one of src (a directory) and archive (a tar file)")
+    manifest = build_archive_manifest(archive, exclude)[0] if archive else build_manifest(src, exclude)
     digest = manifest_hash(manifest)
     release_id = digest[:RELEASE_ID_LENGTH]
     releases_dir = os.path.join(dest, "releases")
     release_dir = os.path.join(releases_dir, release_id)
     current_dir, current_manifest = current_release(dest)
     added, removed, modified = compare(current_manifest, manifest)
-    changed = current_manifest is None or manifest_hash(current_manifest) != digest or current_dir != os.path.realpath(release_dir)
+    pending = current_manifest is None or manifest_hash(current_manifest) != digest or current_dir != os.path.realpath(release_dir)
+    _, existing = release_manifest(release_dir)
+    built = existing is not None and manifest_hash(existing) == digest
+    changed = pending if publish else pending and not built
     result = {
         "changed": changed,
+        "published": bool(publish and pending),
+        "pending": bool(pending and not publish),
         "release": release_dir,
         "current": os.path.join(dest, "current"),
         "previous_release": current_dir,
@@ -188,15 +255,16 @@ def sync(src, dest, exclude=(), keep=3, check_mode=False):
         },
     }
     if not changed or check_mode:
+        if check_mode:
+            result["published"] = False
         return result
     os.makedirs(releases_dir, mode=0o755, exist_ok=True)
-    _, existing = release_manifest(release_dir)
-    if existing is None or manifest_hash(existing) != digest:
+    if not built:
         # Build the release beside its final place, then rename: never a half-copied release.
         tmp_dir = os.path.join(releases_dir, f".tmp-{release_id}-{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp_dir, mode=0o755)
         try:
-            _copy_tree(src, tmp_dir, manifest)
+            _copy_tree(src, tmp_dir, manifest, archive)
             with open(os.path.join(tmp_dir, MANIFEST_NAME), "w", encoding="utf-8") as handle:
                 json.dump({"manifest_hash": digest, "files": manifest}, handle, sort_keys=True, indent=1)
                 handle.flush()
@@ -212,6 +280,8 @@ def sync(src, dest, exclude=(), keep=3, check_mode=False):
             raise
     else:
         os.utime(release_dir)  # a rollback to a kept release: make it the newest
+    if not publish:
+        return result
     swap_symlink(os.path.join(dest, "current"), os.path.join("releases", release_id))
     result["pruned"] = prune_releases(releases_dir, keep, protect={release_id})
     return result

@@ -19,7 +19,20 @@ from rich.table import Table
 
 from dflash.errors import BadInput
 from dflash.ops import api
-from dflash.ops.results import FAILED, FINISHED, TRAINING, UNHEALTHY, UNREACHABLE, ContainerStatus, OpsResult
+from dflash.ops.results import (
+    CRASHED,
+    FAILED,
+    FAILED_TO_START,
+    FINISHED,
+    HUNG,
+    OK_STATES,
+    STARTING,
+    TRAINING,
+    UNHEALTHY,
+    UNREACHABLE,
+    ContainerStatus,
+    OpsResult,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -46,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("-q", "--quiet", action="store_true", help="no live progress")
         if name == "status":
             s.add_argument("--require-training", action="store_true",
-                           help="exit 1 unless every job is training (or finished); for monitoring and CI")
+                           help="exit 1 unless every job is training (or finished), also when one is starting or "
+                                "stopped; without it, status exits 1 only for a hung, crashed or failed-to-start job")
         if name == "logs":
             s.add_argument("-n", "--lines", type=int, default=40, help="lines per job (default 40)")
             s.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
@@ -96,7 +110,8 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec and isinstance(value, (int, float)) else str(value)
 
 
-_STATE_STYLE = {TRAINING: "green", FINISHED: "green", UNHEALTHY: "yellow", FAILED: "red", UNREACHABLE: "red"}
+_STATE_STYLE = {TRAINING: "green", FINISHED: "green", STARTING: "yellow", UNHEALTHY: "yellow", HUNG: "red", CRASHED: "red",
+                FAILED_TO_START: "red", FAILED: "red", UNREACHABLE: "red"}
 
 
 def render(result: OpsResult, console: Console, show_logs: bool) -> None:
@@ -105,7 +120,7 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
         table = Table(title=f"dflash ops {result.operation}: {escape(result.inventory)}", title_justify="left")
         # Names and states stay whole on a narrow terminal; the other columns wrap.
         table.add_column("container", no_wrap=True, min_width=max(len(h) for h in result.containers))
-        table.add_column("state", no_wrap=True, min_width=11)
+        table.add_column("state", no_wrap=True, min_width=15)
         table.add_column("unit", overflow="fold")
         for column in ("pid", "exit", "step", "tok/s", "tau", "accept"):  # tau: simulated; accept: real
             table.add_column(column, justify="right")
@@ -120,13 +135,15 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
                           _fmt(c.acceptance_length, ".2f"), escape(_gpu_memory(c)))
         console.print(table)
     for c in result.containers.values():
-        if show_logs and c.log_tail:
+        # One diagnosis per job, printed once: it holds the log tail already.
+        diagnosis = (c.failure.diagnosis if c.failure else None) or (c.diagnosis if c.state not in OK_STATES else None)
+        if diagnosis:
+            console.print(f"[bold red]{escape(c.host)}[/] health diagnosis:")
+            console.print(escape(diagnosis), soft_wrap=True)
+        elif show_logs and c.log_tail:
             console.print(f"[bold]{escape(c.host)}[/] log{(' ' + escape(c.log_path)) if c.log_path else ''}:")
             for line in c.log_tail:
                 console.print(f"  | {escape(line)}", soft_wrap=True)
-        if c.failure and c.failure.diagnosis:
-            console.print(f"[bold red]{escape(c.host)}[/] health diagnosis:")
-            console.print(escape(c.failure.diagnosis), soft_wrap=True)
 
 
 def _gpu_memory(c: ContainerStatus) -> str:

@@ -22,9 +22,16 @@ MODULE_GPU_FACTS = "dflash_gpu_facts"
 # playbooks/logs.yml: the task whose stdout is the log reader's JSON document.
 LOG_TASK = "Read the job's log"
 
-# Container states, from the most to the least informative evidence.
-TRAINING, FINISHED, UNHEALTHY, RUNNING, STOPPED, FAILED, UNREACHABLE, UNKNOWN = (
-    "training", "finished", "unhealthy", "running", "stopped", "failed", "unreachable", "unknown")
+# Container states. The first seven are dflash_health's (`state`); the others are derived when no
+# health check ran (a deploy that failed earlier, stop.yml) or the host was not reached.
+TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED = (
+    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped")
+UNHEALTHY, RUNNING, FAILED, UNREACHABLE, UNKNOWN = "unhealthy", "running", "failed", "unreachable", "unknown"
+HEALTH_STATES = (TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED)
+# States a status exits 0 for: healthy, or not running on purpose.
+OK_STATES = (TRAINING, FINISHED, STARTING, STOPPED)
+# A failure of these modules means the input (inventory, -e) is wrong, not the hosts.
+BAD_INPUT_MODULES = ("dflash_inventory_check", "validate_argument_spec")
 
 
 @dataclass
@@ -75,6 +82,9 @@ class ContainerStatus:
     action: str | None = None  # what dflash_unit did: none, started, restarted, stopped, removed
     # Health and the trainer's heartbeat (dflash_health).
     healthy: bool | None = None
+    health_state: str | None = None  # dflash_health's state, when it ran
+    hint: str | None = None  # what to run (a hung job: the restart command)
+    checkpoint: str | None = None  # the newest checkpoint (what a restart resumes from)
     finished: bool = False
     failed_invariants: list[str] = field(default_factory=list)
     diagnosis: str | None = None
@@ -171,8 +181,12 @@ def _describe(c: ContainerStatus) -> str:
         bits.append(f"tau {c.tau:.2f}")
     if c.acceptance_length is not None:
         bits.append(f"real acceptance {c.acceptance_length:.2f}")
-    if c.state in (STOPPED, FAILED) and c.exit_status is not None:
+    if c.checkpoint and c.state not in (TRAINING,):
+        bits.append(f"checkpoint {c.checkpoint}")
+    if c.state in (STOPPED, FAILED, CRASHED, FAILED_TO_START) and c.exit_status is not None:
         bits.append(f"exit status {c.exit_status}")
+    if c.hint:
+        bits.append(c.hint)
     return ", ".join(bits)
 
 
@@ -271,6 +285,8 @@ class EventCollector:
             self.container(failure.host).failure = failure
         for container in self.containers.values():
             container.state = derive_state(container)
+        if any(f.module in BAD_INPUT_MODULES for f in failures):
+            bad_input = True
         if error is None and self.no_hosts_matched and not self.containers:
             error = f"no container matched: {inventory} has no hosts in group dflash_containers (or --limit excludes them all)"
             bad_input = True
@@ -308,6 +324,9 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
     if res.get("unit"):
         _apply_unit_fields(container, res["unit"])
     container.healthy = bool(res["healthy"])
+    container.health_state = res.get("state")
+    container.hint = res.get("hint")
+    container.checkpoint = res.get("checkpoint")
     container.finished = bool(res.get("finished"))
     container.failed_invariants = list(res.get("failed_invariants") or [])
     container.diagnosis = health_diagnosis(res)
@@ -349,6 +368,8 @@ def _gpus(rows: list[dict[str, Any]]) -> list[GpuMemory]:
 def derive_state(c: ContainerStatus) -> str:
     if not c.reachable:
         return UNREACHABLE
+    if c.health_state in HEALTH_STATES:
+        return c.health_state
     if c.healthy is not None:
         if c.finished:
             return FINISHED

@@ -1,6 +1,8 @@
 """The job role end to end on this machine (daemon backend, local connection) with a stand-in trainer that
 follows the runtime contract (log lines, heartbeat.json, `dflash: error:` + exit 2): the second run changes
-nothing, a config change restarts, a trainer that exits at once fails the play with its own error."""
+nothing, a config change restarts, a config the trainer's check rejects leaves the config file, the code and
+the running job as they were, a trainer that exits at once fails the play with its own error, and a job
+stopped on purpose reads `stopped`."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import textwrap
 import pytest
 import yaml
 from ansible.module_utils.dflash_host import LocalHost
-from ansible.module_utils.dflash_unit import DaemonBackend, default_state_dir
+from ansible.module_utils.dflash_unit import DaemonBackend
 from conftest import ROOT, tool
 
 pytestmark = pytest.mark.slow
@@ -22,12 +24,15 @@ pytestmark = pytest.mark.slow
 # Stands in for `VENV/bin/python -m dflash train CONFIG [--check]`.
 FAKE_PYTHON = textwrap.dedent(f"""\
     #!{sys.executable}
-    import json, os, sys, time
+    import json, os, signal, sys, time
     import yaml
     if sys.argv[1:4] != ["-m", "dflash", "train"]:
         os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
     config = yaml.safe_load(open(sys.argv[4]))
     if "--check" in sys.argv:
+        if config.get("fake_reject"):
+            print("dflash: error: " + config["fake_reject"], file=sys.stderr)
+            sys.exit(2)
         print("config OK")
         sys.exit(0)
     if config.get("fake_error"):
@@ -36,13 +41,19 @@ FAKE_PYTHON = textwrap.dedent(f"""\
     out = config["output_dir"]
     os.makedirs(out, exist_ok=True)
     step = 0
+    def beat(status):
+        data = dict(step=step, epoch=0, time=time.time(), pid=os.getpid(), status=status, loss=3.21, tau=1.05, tokens_per_s=1234.0)
+        with open(out + "/heartbeat.json.tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(out + "/heartbeat.json.tmp", out + "/heartbeat.json")
+    def stop(signum, frame):  # as the trainer: SIGTERM = checkpoint, heartbeat `stopped`, exit 0
+        beat("stopped")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
     while True:
         step += 1
         print(f"step {{step}} epoch 0 loss 3.2100 acc@1 0.120 tau 1.05 tok/s 1234 lr 6.00e-04 mem 0.10GiB", flush=True)
-        beat = dict(step=step, epoch=0, time=time.time(), pid=os.getpid(), status="training", loss=3.21, tau=1.05, tokens_per_s=1234.0)
-        with open(out + "/heartbeat.json.tmp", "w") as f:
-            json.dump(beat, f)
-        os.replace(out + "/heartbeat.json.tmp", out + "/heartbeat.json")
+        beat("training")
         time.sleep(0.2)
 """)
 
@@ -79,19 +90,32 @@ def role_run(tmp_path_factory):
         "dflash_job_health_timeout": 30, "dflash_job_health_progress_window": 10, "dflash_job_health_poll_interval": 1,
     }  # fmt: skip
     inventory = {"all": {"children": {"dflash_containers": {"hosts": {"here": host}}}}}
-    # The unit state lives under /var/lib/dflash/units/NAME: use a name of this run.
+    # The unit state lives under /var/lib/dflash-units/NAME: use a name of this run.
     name = host["dflash_job_name"] = f"fakejob-{os.getpid()}"
     (tmp / "hosts.yml").write_text(yaml.safe_dump(inventory))
     tasks = [
         _include(dflash_job_config={"seed": 0}), _keep("first"),
         _include(dflash_job_config={"seed": 0}), _keep("second"),
         _include(dflash_job_config={"seed": 1}), _keep("changed"),
+        {"name": "Reject", "block": [_include(dflash_job_config={"seed": 2, "fake_reject": "data.jsonl:7: malformed JSON"})],
+         "rescue": [{"name": "Keep the rejection", "ansible.builtin.set_fact": {"rejected": "{{ ansible_failed_result }}"}}]},
+        {"name": "Status after the rejection", "ansible.builtin.include_role": {"name": "job", "tasks_from": "status.yml"}},
+        {"name": "Keep it", "ansible.builtin.set_fact": {"after_reject": "{{ dflash_job_health }}"}},
+        {"name": "Read the config after the rejection", "ansible.builtin.slurp": {"src": str(tmp / "etc" / "job.yaml")},
+         "register": "config_after_reject"},
         {"name": "Crash", "block": [_include(dflash_job_config={"fake_error": "data.train_path /x does not exist; fix data.train_path"},
                                              dflash_job_validate_config=False)],
          "rescue": [{"name": "Keep the failure", "ansible.builtin.set_fact": {"crash": "{{ ansible_failed_result }}"}}]},
+        _include(dflash_job_config={"seed": 1}), _keep("recovered"),
+        {"name": "Stop on purpose", "ansible.builtin.include_role": {"name": "job", "tasks_from": "stop.yml"}},
+        {"name": "Status of the stopped job", "ansible.builtin.include_role": {"name": "job", "tasks_from": "status.yml"}},
+        {"name": "Keep that", "ansible.builtin.set_fact": {"stopped": "{{ dflash_job_health }}"}},
         {"name": "Stop", "ansible.builtin.include_role": {"name": "job", "tasks_from": "stop.yml"}, "vars": {"dflash_job_stop_state": "absent"}},
         {"name": "Dump", "ansible.builtin.copy": {"dest": str(tmp / "results.json"), "mode": "0644",
-                                                   "content": "{{ {'first': first, 'second': second, 'changed': changed, 'crash': crash | default(none)} | to_json }}"}},
+                                                   "content": "{{ {'first': first, 'second': second, 'changed': changed, 'crash': crash | default(none),"
+                                                              " 'rejected': rejected | default(none), 'after_reject': after_reject,"
+                                                              " 'config_after_reject': config_after_reject.content | b64decode,"
+                                                              " 'recovered': recovered, 'stopped': stopped} | to_json }}"}},
     ]  # fmt: skip
     (tmp / "play.yml").write_text(yaml.safe_dump([{"name": "Job role", "hosts": "dflash_containers", "gather_facts": False, "tasks": tasks}], sort_keys=False))
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}
@@ -99,7 +123,7 @@ def role_run(tmp_path_factory):
         proc = subprocess.run([tool("ansible-playbook"), "-i", str(tmp / "hosts.yml"), str(tmp / "play.yml")],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     finally:  # never leave the stand-in trainer running, whatever happened to the play
-        spec = {"name": name, "state_dir": default_state_dir(name), "stop_timeout": 1}
+        spec = {"name": name, "state_dir": f"/var/lib/dflash-units/{name}", "stop_timeout": 1}
         DaemonBackend(LocalHost()).stop(spec)
         shutil.rmtree(spec["state_dir"], ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -129,3 +153,19 @@ def test_trainer_that_exits_at_once_fails_with_its_error(role_run):
     assert "unit failed: exit status 2" in crash["msg"]
     assert "dflash: error: data.train_path /x does not exist; fix data.train_path" in crash["msg"]
     assert "dflash: error: data.train_path /x does not exist" in role_run["_stdout"]
+
+
+def test_rejected_config_leaves_config_code_and_job_as_they_were(role_run):
+    rejected, after = role_run["rejected"], role_run["after_reject"]
+    assert rejected is not None, "the deploy of a config the trainer rejects did not fail"
+    assert "dflash: error: data.jsonl:7: malformed JSON" in rejected["msg"] + rejected.get("stderr", "")
+    # The job of the config change runs on, untouched, and its config file is still the accepted one.
+    assert after["state"] == "training" and after["unit"]["main_pid"] == role_run["changed"]["main_pid"]
+    assert "fake_reject" not in role_run["config_after_reject"] and "seed: 1" in role_run["config_after_reject"]
+    assert not (role_run["_tmp"] / "etc" / "job.yaml.tmp").exists()
+    assert role_run["recovered"]["action"] in ("started", "restarted")  # after the crash, the good config starts again
+
+
+def test_job_stopped_on_purpose_reads_stopped_and_ok(role_run):
+    stopped = role_run["stopped"]
+    assert stopped["state"] == "stopped" and stopped["ok"] and stopped["unit"]["active_state"] != "active"

@@ -129,3 +129,51 @@ def test_no_temporary_leftovers(tree):
     sync(str(src), str(dest), EXCLUDE)
     assert [p.name for p in dest.iterdir() if p.name.startswith(".")] == []
     assert [p.name for p in (dest / "releases").iterdir() if p.name.startswith(".")] == []
+
+
+def _tarball(src, path):
+    import subprocess
+
+    subprocess.run(["tar", "--create", "--file", str(path), "--directory", str(src), "--sort=name", "--mtime=@0",
+                    "--owner=0", "--group=0", "--numeric-owner", "."], check=True)
+    return str(path)
+
+
+def test_archive_gives_the_same_release_as_the_tree_without_a_staging_directory(tree, tmp_path):
+    src, dest = tree
+    archive = _tarball(src, tmp_path / "source.tar")
+    from_tree = sync(str(src), str(tmp_path / "other"), EXCLUDE)
+    from_archive = sync(None, str(dest), EXCLUDE, archive=archive)
+    assert from_archive["changed"] and from_archive["manifest_hash"] == from_tree["manifest_hash"]
+    assert os.access(dest / "current" / "bin" / "run", os.X_OK)
+    assert (dest / "current" / "dflash" / "train.py").read_text() == "print('train')\n"
+    assert not sync(None, str(dest), EXCLUDE, archive=archive)["changed"]
+
+
+def test_publish_false_builds_the_release_and_leaves_current(tree, tmp_path):
+    src, dest = tree
+    first = sync(str(src), str(dest), EXCLUDE)
+    (src / "dflash" / "train.py").write_text("print('train v2')\n")
+    archive = _tarball(src, tmp_path / "source.tar")
+    prepared = sync(None, str(dest), EXCLUDE, archive=archive, publish=False)
+    assert prepared["changed"] and prepared["pending"] and not prepared["published"]
+    assert os.path.realpath(dest / "current") == first["release"]  # nothing running sees the new code
+    assert (dest / "current" / "dflash" / "train.py").read_text() == "print('train')\n"
+    assert (tmp_path / prepared["release"] / "dflash" / "train.py").read_text() == "print('train v2')\n"
+    again = sync(None, str(dest), EXCLUDE, archive=archive, publish=False)
+    assert not again["changed"] and again["pending"]  # built already
+    published = sync(None, str(dest), EXCLUDE, archive=archive)
+    assert published["changed"] and published["published"] and os.path.realpath(dest / "current") == prepared["release"]
+
+
+def test_archive_with_a_path_outside_the_tree_is_refused(tmp_path):
+    import tarfile
+
+    archive = tmp_path / "evil.tar"
+    with tarfile.open(archive, "w") as tar:
+        info = tarfile.TarInfo("../outside.py")
+        tar.addfile(info)
+    with pytest.raises(SyncError, match="points outside the release"):
+        sync(None, str(tmp_path / "opt"), archive=str(archive))
+    with pytest.raises(SyncError, match="does not exist: copy the source tarball there first"):
+        sync(None, str(tmp_path / "opt"), archive=str(tmp_path / "missing.tar"))

@@ -88,7 +88,7 @@ def fresh(root: Path) -> dict[str, Any]:
         shutil.rmtree(root)
     (root / "etc").mkdir(parents=True)
     (root / "etc" / "dflash-ops-fixture.env").write_text("")
-    return {"dflash_ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit")}
+    return {"ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit")}
 
 
 def record_gpu(root: Path) -> None:

@@ -32,7 +32,7 @@ def job_vars(tmp_path):
     root = tmp_path / "job"
     (root / "etc").mkdir(parents=True)
     (root / "etc" / "dflash-ops-fixture.env").write_text("")
-    return {"dflash_ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit"),
+    return {"ops_fixture_root": str(root), "_dflash_job_unit_state_dir": str(root / "unit"),
             "dflash_job_user": getpass.getuser()}
 
 
@@ -83,6 +83,20 @@ def test_deploy_status_logs_stop_on_this_machine(cache, job_vars):
     assert stopped.ok, stopped.message
     job = stopped.containers[one]
     assert job.state == "stopped" and job.exit_status == 0 and job.unit_state == "inactive"
+    # A job stopped on purpose is not a failure: status reads it `stopped` and exits 0.
+    assert ops_cli.main(["status", "-i", str(INVENTORY), "-l", one, "-q"]
+                        + [f"-e{key}={value}" for key, value in job_vars.items()]) == 0
+
+
+def test_a_typo_in_a_variable_is_bad_input_naming_the_closest_one(cache, job_vars, capsys):
+    typo = {**job_vars, "dflash_job_confg": {"seed": 1}}
+    result = ops.deploy(INVENTORY, limit="dflash-fixture", progress=False, extravars=typo)
+    assert not result.ok and result.bad_input
+    assert "dflash_job_confg (did you mean dflash_job_config?)" in result.message
+    assert result.containers["dflash-fixture"].action is None  # nothing was deployed
+    rc = ops_cli.main(["status", "-i", str(INVENTORY), "-l", "dflash-fixture", "-q"]
+                      + [f"-e{key}={value}" for key, value in {**job_vars, "dflash_job_confg": 1}.items()])
+    assert rc == 2 and "did you mean dflash_job_config?" in capsys.readouterr().err
 
 
 def test_a_canceled_run(cache, job_vars):
@@ -120,4 +134,4 @@ def test_a_trainer_that_dies_at_once_fails_the_deploy_with_its_error(cache, job_
     assert result.message.startswith("deploy failed: task 'job : Assert that the trainer trains' failed on dflash-fixture: ")
     assert "unit failed" in result.message and "dflash: error: optim.lr" in result.message
     job = result.containers["dflash-fixture"]
-    assert job.state == "failed" and job.exit_status == 2
+    assert job.state == "failed-to-start" and job.exit_status == 2
