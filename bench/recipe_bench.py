@@ -1,13 +1,16 @@
 """GPU measurement of the recipe's two inference paths: regeneration throughput and the eval's verify step.
 
-Usage (on the GPU machine):  python bench/recipe_bench.py --out DIR [--sections baseline,backend,verify]
+Usage (on the GPU machine):  python bench/recipe_bench.py --out DIR [--sections baseline,padded,backend,verify]
 Validate on a CPU first:      python bench/recipe_bench.py --tiny --out /tmp/rb
 
 * baseline: plain transformers `generate` on a Qwen3-8B-shaped random target, batch 128, prompt 256, 256 new
   tokens, greedy: the default cache and `cache_implementation="static"` (the issue's reference numbers);
+* padded: plain `generate` (static cache, compiled by transformers) on the same ragged prompts, left-padded
+  per batch: what transformers alone does with them;
 * backend: dflash's transformers regeneration backend on ragged prompts (64..512 tokens, uniform), 256 new
-  tokens, at several batch sizes: output tokens/s (EOS suppressed so every row generates its 256 tokens,
-  like the baseline);
+  tokens, at several batch sizes and settings (--variants): output tokens/s of a second pass over the
+  prompts (the first compiles; its time is reported too; EOS suppressed so every row generates its 256
+  tokens, like the baseline);
 * verify: the speculative-decoding eval's costs at a 1024-token context: one target verify forward of a
   16-token block (+ rollback), one plain decode step, and one drafter proposal (5 layers, Qwen3-8B width).
 Each section appends to DIR/results.json.
@@ -71,35 +74,126 @@ def _ragged_conversations(n: int, lo: int, hi: int, words: int, seed: int = 0):
     return convs
 
 
+BACKEND_VARIANTS = {
+    # name: (TransformersBackend keywords, attributes set after construction)
+    "default": ({}, {}),  # what `dflash regenerate` runs: compiled on CUDA, widths to 64, cache per batch
+    "grow": ({}, {"tight_cache": False}),  # compiled, every batch on the largest cache seen
+    "repeatkv": ({}, {"gqa_decode": False}),  # transformers' sdpa: K/V copied per query head each step
+    "eager": ({"compile": False}, {}),
+    "pad512": ({"compile": True, "pad_to_multiple_of": 512}, {}),  # the 2026-12-01 call-3 setting
+    "continuous": ({"batching": "continuous"}, {}),
+}
+
+
+def _timed_regenerate(convs, backend, params):
+    from dflash.regenerate import regenerate_conversations
+
+    sync()
+    t0 = time.perf_counter()
+    _, stats = regenerate_conversations(convs, backend, params)
+    sync()
+    return time.perf_counter() - t0, stats.generated_tokens
+
+
 def sec_backend(model, args):
+    """dflash's backend on ragged prompts; the first pass over the prompt set compiles (its time is the
+    `first_pass_s`), the second is timed (steady state). EOS is off, so every row generates args.new tokens."""
     from dflash.data.synthetic import build_tokenizer
-    from dflash.regenerate import SamplingParams, TransformersBackend, regenerate_conversations
+    from dflash.regenerate import SamplingParams, TransformersBackend
 
     tok = build_tokenizer(min(4096, model.config.vocab_size - 100))
     results = {}
-    variants = [v for v in args.variants.split(",") if v]
     for bs in args.backend_batches:
-        for variant in variants:
-            convs = _ragged_conversations(bs * args.rounds, args.min_prompt, args.max_prompt, len(tok) - 30, seed=bs)
+        convs = _ragged_conversations(bs * args.rounds, args.min_prompt, args.max_prompt, len(tok) - 30, seed=bs)
+        for spec in [v for v in args.variants.split(",") if v]:
+            variant, _, only = spec.partition("@")  # "name@128": this variant at batch 128 only
+            if only and int(only) != bs:
+                continue
+            kwargs, attrs = BACKEND_VARIANTS[variant]
             params = SamplingParams(max_new_tokens=args.new)
-            compiled = "compile" in variant
-            backend = TransformersBackend(model, tok, batch_size=bs, compile=compiled,
-                                          pad_to_multiple_of=args.max_prompt if compiled else None)
+            backend = TransformersBackend(model, tok, batch_size=bs, **kwargs)
+            for k, v in attrs.items():
+                setattr(backend, k, v)
             backend.stop_ids = []  # every row generates max_new_tokens, as in the baseline
-            if "nosuppress" in variant:  # the synthetic tokenizer forbids ~148k of 152k ids; a real one ~270
-                backend.suppress = None
-            regenerate_conversations(convs[:bs], backend, params)  # warm-up / compile
-            sync()
-            t0 = time.perf_counter()
-            _, stats = regenerate_conversations(convs, backend, params)
-            sync()
-            dt = time.perf_counter() - t0
-            gen = getattr(stats, "generated_tokens", None)
+            backend.suppress = None  # the synthetic tokenizer forbids ~148k of 152k ids; a real one ~270
+            try:
+                first, _ = _timed_regenerate(convs, backend, params)
+                dt, gen = _timed_regenerate(convs, backend, params)
+            except Exception as exc:  # one variant failing must not lose the others
+                results[f"{bs}/{variant}"] = {"error": repr(exc)[:300]}
+                print(f"{bs}/{variant} failed: {exc!r}", flush=True)
+                continue
             key = f"{bs}/{variant}"
-            results[key] = {"prompts": len(convs), "seconds": dt, "generated_tokens": gen,
-                            "tokens_per_s": (gen or 0) / dt, "prompt_tokens": f"{args.min_prompt}..{args.max_prompt}"}
+            results[key] = {"prompts": len(convs), "first_pass_s": round(first, 2), "seconds": round(dt, 2),
+                            "generated_tokens": gen, "tokens_per_s": round(gen / dt, 1),
+                            "prompt_tokens": f"{args.min_prompt}..{args.max_prompt}",
+                            "describe": {k: v for k, v in backend.describe().items()
+                                         if k in ("compiled_decoding", "kv_cache", "batching")}}
             print(key, results[key], flush=True)
-    record("backend_regenerate", results)
+            record("backend_regenerate", results)
+            if args.profile and variant == args.profile:
+                _profile(convs[:bs], backend, SamplingParams(max_new_tokens=32))
+
+
+def _profile(convs, backend, params):
+    """The top CUDA kernels of one batch with 32 new tokens (after the timed passes: shapes compiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash.regenerate import regenerate_conversations
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        regenerate_conversations(convs, backend, params)
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
+                                      row_limit=18, max_name_column_width=70)
+    (OUT / "profile.txt").write_text(table)
+    print(table, flush=True)
+
+
+def sec_padded(model, args):
+    """Plain `model.generate` (static cache, compiled by transformers) on the backend's ragged prompts,
+    left-padded per batch of similar lengths: what transformers alone does with these prompts."""
+    from dflash.data.synthetic import build_tokenizer
+
+    tok = build_tokenizer(min(4096, model.config.vocab_size - 100))
+    bs = args.batch
+    convs = _ragged_conversations(bs * args.rounds, args.min_prompt, args.max_prompt, len(tok) - 30, seed=bs)
+    from dflash.regenerate import SamplingParams
+    from dflash.regenerate.hf import render_prompt
+
+    prompts = sorted((render_prompt(tok, c[:1], SamplingParams()) for c in convs), key=len, reverse=True)
+    batches = []
+    for s in range(0, len(prompts), bs):
+        chunk = prompts[s:s + bs]
+        width = -(-max(len(p) for p in chunk) // 64) * 64
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(chunk):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        batches.append((ids.to(device()), mask.to(device())))
+
+    def run():
+        n = 0
+        for ids, mask in batches:
+            model._previous_max_cache_length = -1  # each batch's own cache length, as the backend does
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
+                                 do_sample=False, pad_token_id=0, cache_implementation="static")
+            n += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        return n
+
+    sync()
+    t0 = time.perf_counter()
+    run()
+    sync()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n = run()
+    sync()
+    dt = time.perf_counter() - t0
+    record("padded_generate", {"batch": bs, "prompts": len(prompts), "first_pass_s": round(first, 2),
+                               "seconds": round(dt, 2), "tokens_per_s": round(n / dt, 1),
+                               "widths": [int(b[0].shape[1]) for b in batches]})
 
 
 def sec_verify(model, args):
@@ -153,14 +247,16 @@ def main() -> int:
     global OUT
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
-    p.add_argument("--sections", default="baseline,backend,verify")
+    p.add_argument("--sections", default="baseline,padded,backend,verify")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--backend-batches", default="64,128,256,384")
-    p.add_argument("--variants", default="plain,nosuppress,nosuppress+compile",
-                   help="backend settings measured per batch size")
+    p.add_argument("--variants", default="default,grow,continuous",
+                   help=f"backend settings measured per batch size: {', '.join(BACKEND_VARIANTS)}")
+    p.add_argument("--profile", default=None, metavar="VARIANT",
+                   help="profile one short batch of this backend variant (top kernels to profile.txt)")
     p.add_argument("--rounds", type=int, default=2, help="batches of prompts per backend measurement")
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -183,7 +279,8 @@ def main() -> int:
     record("machine", info)
     for name in args.sections.split(","):
         try:
-            {"baseline": sec_baseline, "backend": sec_backend, "verify": sec_verify}[name](model, args)
+            {"baseline": sec_baseline, "padded": sec_padded, "backend": sec_backend,
+             "verify": sec_verify}[name](model, args)
         except Exception as exc:  # one failing section must not lose the others
             import traceback
 

@@ -125,6 +125,69 @@ def test_batching_does_not_change_greedy_answers(target):
     assert one == many == cont
 
 
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_grouped_query_decode_attention_equals_transformers_sdpa(mask_kind):
+    """One query position: the G query heads of a KV head as G rows of that head, no K/V copy; the same
+    function as transformers' sdpa (which copies K/V per head), for boolean, additive and no masks."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflash.regenerate.attention import gqa_decode_sdpa
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim = 3, 8, 2, 11, 16
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    q = torch.randn(batch, heads, 1, dim, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(2))
+    keep = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+    keep[0, ..., :4] = False  # left padding of row 0, unused cache slots of row 1
+    keep[1, ..., 9:] = False
+    mask = {"bool": keep, "none": None,
+            "float": torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+            }[mask_kind]
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    got, _ = gqa_decode_sdpa(module, q, k, v, mask, scaling=dim ** -0.5)
+    assert got.shape == want.shape == (batch, 1, heads, dim)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    # several query positions (a prompt) take transformers' own path: the same result by construction
+    q4 = torch.randn(batch, heads, 4, dim, dtype=torch.float64)
+    m4 = None if mask is None else mask.expand(batch, 1, 4, length)
+    assert torch.equal(gqa_decode_sdpa(module, q4, k, v, m4)[0], sdpa_attention_forward(module, q4, k, v, m4)[0])
+
+
+def test_grouped_query_decoding_keeps_answers_and_restores_the_model(target):
+    """The backend's decode attention (no K/V copy) gives the same greedy answers as transformers' sdpa, and
+    the model's attention implementation is back to sdpa afterwards (the trainer shares the target)."""
+    from dflash.regenerate.attention import NAME, grouped_query_decoding
+
+    model, tok = target
+    convs = conversations()[:9]
+    params = SamplingParams(max_new_tokens=10)
+    plain = TransformersBackend(model, tok, batch_size=4)
+    plain.gqa_decode = False
+    ref, _ = regenerate_conversations(convs, plain, params)
+    calls = []
+    import dflash.regenerate.attention as attention
+
+    real = attention.gqa_decode_sdpa
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return real(module, query, *args, **kwargs)
+
+    attention.gqa_decode_sdpa = counting
+    try:
+        got, _ = regenerate_conversations(convs, TransformersBackend(model, tok, batch_size=4), params)
+    finally:
+        attention.gqa_decode_sdpa = real
+    assert got == ref
+    assert calls and calls.count(1) > len(calls) // 2  # the decode steps went through it
+    assert model.config._attn_implementation == "sdpa"
+    with grouped_query_decoding(model) as switched:
+        assert switched and model.config._attn_implementation == NAME
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_too_long_prompts_are_skipped_and_counted(target):
     model, tok = target
     short = [{"role": "user", "content": "count by 1 from w1"}, {"role": "assistant", "content": "x"},

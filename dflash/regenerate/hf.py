@@ -11,12 +11,14 @@ from typing import Any, Literal
 import torch
 
 from dflash.errors import BadInput, DflashError
+from dflash.regenerate.attention import grouped_query_decoding
 from dflash.regenerate.core import Progress, Reply, SamplingParams, derive_seed
 
 log = logging.getLogger(__name__)
 
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 CACHE_LEN_MULTIPLE = 256  # static caches are sized per batch, rounded up: few distinct shapes
+COMPILED_WIDTH_MULTIPLE = 64  # compiled decoding: prompt widths padded to a multiple (few distinct shapes)
 
 
 def _text_config(config: Any) -> Any:
@@ -94,6 +96,10 @@ class TransformersBackend:
     lengths, left padding, a static KV cache sized per batch (the default cache where the model has none),
     greedy unless temperature > 0, token ids the tokenizer lacks forbidden.
 
+    compile (default: on CUDA): the decode step is compiled by transformers (torch.compile, CUDA graphs)
+    over the static cache; prompt widths are then padded to a multiple of 64 so that a run sees few shapes.
+    Grouped-query `sdpa` targets decode without copying K/V per query head (`dflash.regenerate.attention`).
+
     batching="continuous": transformers' continuous batching (`model.generate_batch`, paged attention,
     finished rows refilled); greedy answers equal the static mode's; sampling is not reproducible there.
     """
@@ -102,7 +108,7 @@ class TransformersBackend:
 
     def __init__(self, model, tokenizer, batch_size: int = 64,
                  batching: Literal["static", "continuous"] = "static", pad_to_multiple_of: int | None = None,
-                 compile: bool = False, check_roundtrip: bool = True):
+                 compile: bool | None = None, check_roundtrip: bool = True):
         if batch_size < 1:
             raise BadInput(f"batch_size must be >= 1, got {batch_size}")
         if batching not in ("static", "continuous"):
@@ -111,9 +117,10 @@ class TransformersBackend:
             raise BadInput(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.batching = batch_size, batching
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.compile, self.check_roundtrip = compile, check_roundtrip
         self.device = next(model.parameters()).device
+        self.compile = (self.device.type == "cuda") if compile is None else bool(compile)
+        self.pad_to_multiple_of = pad_to_multiple_of or (COMPILED_WIDTH_MULTIPLE if self.compile else None)
+        self.check_roundtrip = check_roundtrip
         text_config = _text_config(model.config)
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         logits_dim = int(out_emb.weight.shape[0]) if out_emb is not None else int(text_config.vocab_size)
@@ -124,6 +131,8 @@ class TransformersBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None)
         self._static: bool | None = None  # static KV cache works with this model (None: not tried yet)
+        self.tight_cache = True  # False: every batch reuses the largest cache length seen (fewer shapes)
+        self.gqa_decode = True  # decode steps of grouped-query sdpa attention without copying K/V per head
         self._warned_roundtrip = False
 
     # ----------------------------------------------------------------------------------------- info
@@ -132,7 +141,7 @@ class TransformersBackend:
         return {"backend": self.name, "model_type": getattr(cfg, "model_type", None),
                 "model_class": type(self.model).__name__, "dtype": str(next(self.model.parameters()).dtype),
                 "device": str(self.device), "batching": self.batching, "batch_size": self.batch_size,
-                "kv_cache": {None: "static (untried)", True: "static", False: "default"}[self._static]
+                "compiled_decoding": self.compile, "kv_cache": {None: "static (untried)", True: "static", False: "default"}[self._static]
                 if self.batching == "static" else "paged",
                 "stop_token_ids": self.stop_ids, "suppressed_token_ids": len(self.suppress or [])}
 
@@ -220,9 +229,10 @@ class TransformersBackend:
 
         def run(static: bool):
             extra = {"cache_implementation": "static", "max_cache_len": cache_len} if static else {}
-            if static:  # size this batch's cache for this batch (transformers otherwise keeps the largest)
-                self.model._previous_max_cache_length = -1
-            with _clean_generation_config(self.model), self._seeded(params, seed):
+            if static and self.tight_cache:  # size this batch's cache for this batch (transformers otherwise
+                self.model._previous_max_cache_length = -1  # keeps the largest: attention over unused slots)
+            gqa = grouped_query_decoding(self.model) if self.gqa_decode else contextlib.nullcontext()
+            with _clean_generation_config(self.model), self._seeded(params, seed), gqa:
                 return self.model.generate(input_ids=ids, attention_mask=mask,
                                            generation_config=self._generation_config(params, **extra))
 
