@@ -70,6 +70,9 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
     # first of all (torch imports take a second): a stop while this process starts up starts nothing, or
     # stops the trainer cleanly before its first step (its handler takes the latch over: `seen`)
     latch = _latch_signals()
+    from dflash.notify import Notifier
+
+    Notifier().loading()  # the supervisor's watchdog: the start-up allowance while the target loads
     apply_rendezvous_env(config)
     if under_torchrun():
         return _run_worker(config)
@@ -186,6 +189,7 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
                     pass
                 stop["signalled"].add(pid)
 
+    liveness = rank_liveness(config, plan)
     previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
     if any(getattr(h, "seen", False) for h in previous.values()):  # a SignalLatch saw one meanwhile
         note(signal.SIGTERM, None)
@@ -193,7 +197,8 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
         print(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}",
               flush=True)
         # torchrun's grace before SIGKILL of the other workers after one failed (also its default)
-        env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WORKER_SHUTDOWN_S)}
+        env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WORKER_SHUTDOWN_S),
+               **(liveness.environment() if liveness else {})}
         proc = subprocess.Popen(cmd, env=env)
         escalated = 0
         while True:
@@ -202,6 +207,8 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if liveness is not None:
+                liveness.poll()
             if not stop:
                 continue
             tell_workers()
@@ -218,11 +225,25 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if liveness is not None:
+            liveness.close()
     if rc != 0:
         print(f"dflash: error: the distributed job failed (torchrun exit {rc}); the failing rank and its "
               "traceback are in torchrun's error summary above", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def rank_liveness(config: RunConfig, plan):
+    """Under a supervisor's watchdog: the socket this node's step-loop ranks (drafter ranks) notify."""
+    from dflash.notify import Notifier, RankLiveness
+
+    upstream = Notifier()
+    if not upstream.enabled:
+        return None
+    node = config.topology.node_rank
+    expected = {r for r in plan.drafter_ranks if r // plan.nproc_per_node == node}
+    return RankLiveness(upstream, expected)
 
 
 def _kill(pid: int) -> None:

@@ -30,6 +30,7 @@ from dflash.loss import BlockStats, build_blocks, position_weights, sample_ancho
 from dflash.models.attention import compiled_flex_attention, resolve_kind
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model, num_layers_of
+from dflash.notify import Notifier
 from dflash.observability import RunObserver
 
 log = logging.getLogger(__name__)
@@ -636,6 +637,7 @@ class Trainer:
         epoch = self.sampler.epoch
         self.observer.heartbeat(self.step, epoch, "training")
         last: dict[str, Any] = {}
+        notifier = Notifier()  # the supervisor's watchdog: a ping per step (dflash/notify.py)
         while self.step < self.total_steps and not self.stop_requested:
             epoch, res = self.train_step()
             window["loss"] += res.loss
@@ -654,6 +656,7 @@ class Trainer:
                 self.save_checkpoint()
             if c.logging.eval_interval and self.step % c.logging.eval_interval == 0:
                 self._report_eval()
+            notifier.step(self.step)
         if self.step > 0 and (not self.ckpt.list() or self.ckpt.list()[-1] != self.ckpt.path_for(self.step)):
             self.save_checkpoint()  # (step 0: stopped before any step; nothing to keep)
         stopped = self.stop_requested and self.step < self.total_steps

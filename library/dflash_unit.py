@@ -11,14 +11,28 @@ short_description: Run a training job as a systemd transient unit (or a daemon),
 description:
   - Manages one named long-running job that must outlive the Ansible (exec/SSH) session that starts it.
   - The C(systemd) backend launches C(systemd-run --unit NAME -p Type=exec -p KillMode=mixed -p TimeoutStopSec=N
-    -p StandardOutput=append:LOG -p StandardError=append:LOG [-p EnvironmentFile=] [-p WorkingDirectory=] [-p User=]
-    [--setenv K=V] -- COMMAND). Without C(--collect), so a failed unit and its exit status remain;
-    C(systemctl reset-failed) runs before a relaunch. An C(ExecStopPost=+) line records C($EXIT_CODE $EXIT_STATUS)
-    in C(state_dir/exit_status), so the status of a unit that ended cleanly (which systemd unloads) is kept too.
+    -p StandardOutput=append:LOG -p StandardError=append:LOG -p Restart=on-failure -p RestartSec= -p StartLimitBurst=
+    -p StartLimitIntervalSec= -p RestartPreventExitStatus=2 [-p WatchdogSec= -p NotifyAccess=main] [-p OnFailure=]
+    -p ExecStopPost=+... [-p EnvironmentFile=] -p EnvironmentFile=STATE_DIR/environment [-p WorkingDirectory=]
+    [-p User=] -- COMMAND). Without C(--collect), so a failed unit and its exit status remain;
+    C(systemctl reset-failed) runs before a relaunch. A fixed C(ExecStopPost=+) script, given the state directory as
+    its argument, records every end (C(exit_status), one line per end in C(events) for the restart and watchdog counts,
+    and the reason the failure hook reports), so the status of a unit that ended cleanly (which systemd unloads) is
+    kept too.
+  - Self-healing. After a failure the unit restarts by itself (O(restart)) after O(restart_delay) seconds, at most
+    O(restart_burst) starts within O(restart_interval) seconds; exit 2 (bad input) is never restarted. With
+    O(watchdog) the trainer must ping (sd_notify C(WATCHDOG=1), dflash/notify.py) at least that often once it trains,
+    and within O(watchdog_start) while it loads; a hung trainer is killed and restarted. When the restarts are
+    exhausted the unit stays C(failed), O(on_failure) runs (a unit C(NAME-on-failure.service) with C(DFLASH_JOB) and
+    C(DFLASH_REASON)), and O(state=started) with an unchanged configuration fails with the crash loop's diagnosis
+    instead of relaunching it.
+  - Nothing of O(environment) is on a command line or in the module's output (C(no_log)); it is written, escaped,
+    to a root-only file in O(state_dir). O(state_dir) and its parents must be root's alone.
   - The C(daemon) backend, for hosts without systemd, double-forks into a new session, redirects stdout/stderr
     (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command in its own process group under a
-    tiny supervisor process (outside that group) that records the exit status in C(state_dir/exit_status), also after
-    a SIGKILL. Stop is SIGTERM to the job's process group
+    small supervisor process (outside that group, module_utils/dflash_supervisor.py) that records every end in
+    O(state_dir), also after a SIGKILL, and does what systemd does for the other backend - restart with delay and
+    burst, the watchdog (an abstract C(NOTIFY_SOCKET)), the failure hook. Stop is SIGTERM to the job's process group
     (while its leader, known by pid and start time, lives) and to every process carrying the job's
     C(DFLASH_UNIT_ID) environment marker, then SIGKILL after O(stop_timeout). Never by process name.
   - Idempotence by a config hash of O(command), O(environment), the content of O(environment_file), the content of
@@ -50,7 +64,7 @@ options:
     description: A KEY=VALUE file loaded into the job's environment (systemd C(EnvironmentFile=) syntax). Must exist.
     type: path
   environment:
-    description: Extra environment variables; they override the file.
+    description: Extra environment variables; they override the file. Never logged; one line each (no newline).
     type: dict
     default: {}
   working_directory:
@@ -92,8 +106,43 @@ options:
     description: Directory emptied (not deleted) during the restart sequence, e.g. C(TORCHINDUCTOR_CACHE_DIR).
     type: path
   state_dir:
-    description: Where the config hash, pidfile and last exit status are kept. Default C(/var/lib/dflash/units/NAME).
+    description:
+      - Where the config hash, pidfile, environment and exit records are kept. Default C(/var/lib/dflash-units/NAME).
+      - It and every directory above it must be writable by root alone (not under the trainer account's home).
     type: path
+  restart:
+    description: V(on-failure) restarts the job by itself after a failure (not after exit 2); V(no) leaves it down.
+    type: str
+    choices: [on-failure, "no"]
+    default: on-failure
+  restart_delay:
+    description: Seconds between a failure and the restart (C(RestartSec)).
+    type: int
+    default: 10
+  restart_burst:
+    description: At most this many starts within O(restart_interval) (C(StartLimitBurst)); then the unit stays failed.
+    type: int
+    default: 3
+  restart_interval:
+    description: Seconds of the burst window (C(StartLimitIntervalSec)).
+    type: int
+    default: 600
+  watchdog:
+    description: Seconds between the trainer's pings once it trains (it sets this with C(WATCHDOG_USEC)); 0 = no watchdog.
+    type: int
+    default: 0
+  watchdog_start:
+    description: The watchdog interval until the first step (target load, compile); at least O(watchdog).
+    type: int
+    default: 0
+  on_failure:
+    description:
+      - Command (argument list, no shell) run once the restarts are exhausted, with C(DFLASH_JOB) (the name) and
+        C(DFLASH_REASON) (the last end as result and exit, e.g. C(watchdog) and C(killed ABRT)) in its environment;
+        systemd adds C(MONITOR_SERVICE_RESULT) and friends. Its output goes to O(log_path).
+    type: list
+    elements: str
+    default: []
 requirements:
   - systemd-run and systemctl for the systemd backend; nvidia-smi to wait for GPU release (skipped without it).
 attributes:
@@ -175,9 +224,22 @@ compile_cache_cleared:
   returned: always
   type: bool
 status_before:
-  description: The unit's state before the action.
+  description: The unit's state before the action, with C(restarts), C(watchdog_kills), C(last_exit_reason) and
+    C(crash_loop).
   returned: always
   type: dict
+restarts:
+  description: Automatic restarts since the last launch by this module.
+  returned: always
+  type: int
+watchdog_kills:
+  description: Ends by the watchdog since the last launch.
+  returned: always
+  type: int
+last_exit_reason:
+  description: How the job last failed, e.g. C(signal (killed KILL)), C(watchdog (killed ABRT)), or null.
+  returned: always
+  type: str
 """
 
 import os
@@ -188,6 +250,7 @@ from ansible.module_utils.dflash_gpu import GpuQueryError
 from ansible.module_utils.dflash_host import ModuleHost, read_text
 from ansible.module_utils.dflash_unit import (
     UnitError,
+    check_name,
     config_hash,
     default_state_dir,
     ensure,
@@ -207,7 +270,7 @@ def main():
             "state": {"type": "str", "default": "started", "choices": ["started", "restarted", "stopped", "absent"]},
             "command": {"type": "list", "elements": "str"},
             "environment_file": {"type": "path"},
-            "environment": {"type": "dict", "default": {}},
+            "environment": {"type": "dict", "default": {}, "no_log": True},
             "working_directory": {"type": "path"},
             "user": {"type": "str"},
             "log_path": {"type": "path"},
@@ -219,6 +282,13 @@ def main():
             "gpu_release_threshold_mib": {"type": "int", "default": 1024},
             "compile_cache_dir": {"type": "path"},
             "state_dir": {"type": "path"},
+            "restart": {"type": "str", "default": "on-failure", "choices": ["on-failure", "no"]},
+            "restart_delay": {"type": "int", "default": 10},
+            "restart_burst": {"type": "int", "default": 3},
+            "restart_interval": {"type": "int", "default": 600},
+            "watchdog": {"type": "int", "default": 0},
+            "watchdog_start": {"type": "int", "default": 0},
+            "on_failure": {"type": "list", "elements": "str", "default": []},
         },
         required_if=[
             ("state", "started", ("command", "log_path")),
@@ -228,8 +298,13 @@ def main():
     )
     p = module.params
     name = p["name"]
-    if "/" in name or name.startswith(".") or not name.strip():
-        module.fail_json(msg=f"name {name!r} is not a valid job name: use letters, digits, '-', '_' or '.'")
+    try:
+        check_name(name)
+    except UnitError as exc:
+        module.fail_json(msg=str(exc))
+    for key in ("restart_delay", "restart_burst", "restart_interval", "watchdog", "watchdog_start"):
+        if p[key] < (1 if key == "restart_burst" else 0):
+            module.fail_json(msg=f"{key}={p[key]} must be {'at least 1' if key == 'restart_burst' else 'zero or more'}")
     launching = p["state"] in ("started", "restarted")
     env_text = config_text = None
     if launching:
@@ -262,7 +337,11 @@ def main():
         "gpu_release_threshold_mib": p["gpu_release_threshold_mib"],
         "compile_cache_dir": p["compile_cache_dir"],
         "state_dir": p["state_dir"] or default_state_dir(name),
-        "config_hash": config_hash(p["command"], spec_env(p), env_text, config_text, p["working_directory"], p["user"])
+        "restart": {"policy": p["restart"], "delay": p["restart_delay"], "burst": p["restart_burst"], "interval": p["restart_interval"]},
+        "watchdog": {"interval": p["watchdog"], "start_interval": p["watchdog_start"]},
+        "on_failure": p["on_failure"],
+        "config_hash": config_hash(p["command"], spec_env(p), env_text, config_text, p["working_directory"], p["user"],
+                                   supervision=supervision(p))
         if launching
         else None,
     }
@@ -290,6 +369,12 @@ def main():
 
 def spec_env(params):
     return {k: str(v) for k, v in params["environment"].items()}
+
+
+def supervision(params):
+    """Restart, watchdog and hook settings: a change relaunches the unit with them."""
+    keys = ("restart", "restart_delay", "restart_burst", "restart_interval", "watchdog", "watchdog_start", "on_failure")
+    return {k: params[k] for k in keys}
 
 
 if __name__ == "__main__":

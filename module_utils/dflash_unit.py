@@ -10,68 +10,31 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import inspect
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
+import stat as stat_module
 import sys
-import time
 import uuid
 
+from ansible.module_utils import dflash_supervisor
 from ansible.module_utils.dflash_gpu import GpuQueryError, gpus_above, query_gpus
-from ansible.module_utils.dflash_host import read_text
+from ansible.module_utils.dflash_host import read_text, tail_lines
 
-DEFAULT_STATE_ROOT = "/var/lib/dflash/units"
+# Root's own: outside the trainer account's home (/var/lib/dflash), which that account could rewrite.
+DEFAULT_STATE_ROOT = "/var/lib/dflash-units"
+# Job names become unit names, file names and systemd words: nothing a shell or systemd would interpret.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+# Paths that go into unit properties: no spaces, quotes, '$', '%', ';', '`' or newlines.
+PATH_PATTERN = re.compile(r"^/[A-Za-z0-9_./+:@-]*$")
+ENV_KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 RUNNING_STATES = ("active", "activating", "deactivating", "reloading")
 ACTIONS = ("none", "started", "restarted", "stopped", "removed")
-
-# The daemon backend's supervisor: a tiny root process, outside the job's process group,
-# that forks the job into its own group, reports the job's pid through a pipe, waits and
-# records the exit status (128+N for a signal, SIGKILL included) in the state directory.
-# argv: EXIT_FILE PIPE_FD UID GID USER WORKDIR TOKEN -- COMMAND...  ("-" for UID/GID/USER = no change).
-# Only the job gets the DFLASH_UNIT_ID=TOKEN marker, so stopping the job never hits the supervisor.
-DAEMON_SUPERVISOR = """
-import os, signal, sys
-exit_file, pipe_fd, uid, gid, user, workdir, token = sys.argv[1:8]
-cmd = sys.argv[9:]
-for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(sig, signal.SIG_IGN)
-pid = os.fork()
-if pid == 0:
-    try:
-        os.setpgid(0, 0)
-        os.close(int(pipe_fd))
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_DFL)
-        if user != "-":
-            os.initgroups(user, int(gid))
-            os.setgid(int(gid))
-            os.setuid(int(uid))
-        os.chdir(workdir)
-        os.environ["DFLASH_UNIT_ID"] = token
-        os.execvp(cmd[0], cmd)
-    except BaseException as exc:
-        sys.stderr.write("dflash-unit: cannot run %r: %s\\n" % (cmd[0], exc))
-        sys.stderr.flush()
-        os._exit(127)
-try:
-    os.setpgid(pid, pid)
-except OSError:
-    pass
-os.write(int(pipe_fd), ("%d %d" % (pid, os.getpid())).encode())
-os.close(int(pipe_fd))
-status = os.waitpid(pid, 0)[1]
-code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-tmp = exit_file + ".tmp"
-with open(tmp, "w") as handle:
-    handle.write("%d\\n" % code)
-    handle.flush()
-    os.fsync(handle.fileno())
-os.replace(tmp, exit_file)
-"""
-
 
 class UnitError(Exception):
     pass
@@ -80,12 +43,89 @@ class UnitError(Exception):
 # --------------------------------------------------------------------------- spec and hash
 
 
+def check_name(name):
+    """A job name is letters, digits, '-' and '_' (at most 64, starting with a letter or digit)."""
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise UnitError(
+            f"name {name!r} is not a valid job name: use 1-64 letters, digits, '-' or '_', starting with a letter or digit"
+        )
+    return name
+
+
+def check_path(what, path):
+    """An absolute path of plain characters (it is written into unit properties)."""
+    if path is None:
+        return None
+    if not PATH_PATTERN.match(path) or "/../" in path + "/" or "\n" in path:
+        raise UnitError(
+            f"{what} {path!r} must be an absolute path of letters, digits and '_./+:@-' "
+            "(no spaces, quotes, '$', '%' or '..'): choose another path"
+        )
+    return path
+
+
 def unit_name(name):
-    return name if "." in name else name + ".service"
+    return name if name.endswith(".service") else name + ".service"
 
 
 def default_state_dir(name):
     return os.path.join(DEFAULT_STATE_ROOT, name)
+
+
+def check_root_owned(path):
+    """Refuse a state directory that a non-root account could replace: every existing directory from ``path``
+    up to ``/`` must belong to root (or to the account running this) and be writable by nobody else, unless it
+    is sticky (like /tmp, where others cannot rename what is ours)."""
+    me = os.getuid()
+    current = os.path.abspath(path)
+    while True:
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if stat_module.S_ISLNK(st.st_mode):
+                raise UnitError(f"state_dir {path!r}: {current} is a symbolic link; use a real directory owned by root")
+            foreign = st.st_uid not in (0, me)
+            shared = st.st_mode & 0o022 and not (current != os.path.abspath(path) and st.st_mode & stat_module.S_ISVTX)
+            if foreign or shared:
+                raise UnitError(
+                    f"state_dir {path!r}: {current} is owned by uid {st.st_uid} with mode {stat_module.S_IMODE(st.st_mode):o}; "
+                    "root keeps the unit's state there, so only root may write it: use a root-owned directory "
+                    f"(default {DEFAULT_STATE_ROOT}/NAME), not one under the trainer account's home"
+                )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
+def make_state_dir(path):
+    check_root_owned(path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    check_root_owned(path)
+
+
+def quote_env_value(value):
+    """``value`` as a double-quoted EnvironmentFile= value that systemd and parse_environment_file read back
+    unchanged. A newline cannot be written safely: refuse it."""
+    value = str(value)
+    if "\n" in value or "\r" in value or "\0" in value:
+        raise UnitError("environment values must be one line (no newline or NUL)")
+    return '"' + re.sub(r'([\\"$`])', r"\\\1", value) + '"'
+
+
+def environment_file_text(environment):
+    lines = []
+    for key, value in sorted((environment or {}).items()):
+        if not ENV_KEY_PATTERN.match(key):
+            raise UnitError(f"environment variable name {key!r} is not valid: use letters, digits and '_'")
+        try:
+            lines.append(f"{key}={quote_env_value(value)}")
+        except UnitError:
+            raise UnitError(f"environment variable {key}: the value must be one line (no newline or NUL)") from None
+    return "".join(line + "\n" for line in lines)
 
 
 def parse_environment_file(text):
@@ -101,14 +141,17 @@ def parse_environment_file(text):
         if not sep:
             continue
         value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = re.sub(r'\\([\\"$`])', r"\1", value[1:-1])  # the escapes systemd reads in double quotes
+        elif len(value) >= 2 and value[0] == value[-1] == "'":
             value = value[1:-1]
         env[key.strip()] = value
     return env
 
 
-def config_hash(command, environment=None, environment_file_text=None, config_text=None, working_directory=None, user=None):
-    """Identity of a launch: what the process would see. Same hash + running = leave it alone."""
+def config_hash(command, environment=None, environment_file_text=None, config_text=None, working_directory=None, user=None,
+                supervision=None):
+    """Identity of a launch: what the process would see and how it is supervised. Same hash + running = leave it alone."""
     document = {
         "command": list(command or []),
         "environment": dict(sorted((environment or {}).items())),
@@ -117,6 +160,8 @@ def config_hash(command, environment=None, environment_file_text=None, config_te
         "working_directory": working_directory,
         "user": user,
     }
+    if supervision:  # absent = the hash of earlier releases, so an upgrade alone restarts nothing
+        document["supervision"] = supervision
     blob = json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -174,6 +219,7 @@ def empty_status():
         "main_pid": None,
         "exit_status": None,
         "result": None,
+        "restarts": None,
     }
 
 
@@ -184,7 +230,20 @@ def is_running(status):
 # --------------------------------------------------------------------------- systemd
 
 
-SHOW_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "ExecMainStatus", "ExecMainCode", "Result")
+SHOW_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "ExecMainStatus", "ExecMainCode", "Result", "NRestarts")
+
+# Run by systemd as root after every end of the job (a restart included), with the state directory as $0:
+# the exit status (systemd unloads a transient unit that ends cleanly, and its status with it), one line
+# per end in `events` (time, result, how it ended: the restart and watchdog counts), and the reason the
+# on-failure hook reports. A fixed script: the only variable part, the directory, is an argument.
+RECORD_EXIT_SCRIPT = (
+    'echo "$EXIT_CODE $EXIT_STATUS" > "$0/exit_status"; '
+    'echo "$(date +%s) $SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" >> "$0/events"; '
+    'echo "DFLASH_REASON=$SERVICE_RESULT: $EXIT_CODE $EXIT_STATUS" > "$0/reason.env"'
+)
+HOOK_UNIT_DIR = "/run/systemd/system"
+# Bad input (exit 2) does not fix itself: never restarted.
+NO_RESTART_EXIT_STATUS = (2,)
 
 
 def parse_systemctl_show(text):
@@ -203,6 +262,10 @@ def parse_systemctl_show(text):
     except ValueError:
         pid = 0
     status["main_pid"] = pid or None
+    try:
+        status["restarts"] = int(props.get("NRestarts", "0") or 0)
+    except ValueError:
+        status["restarts"] = 0
     # ExecMainCode is a CLD_* code: 1 exited (status = exit code), 2 killed / 3 dumped
     # (status = signal number, reported shell-style as 128+N); 0 = still running/never ran.
     try:
@@ -219,8 +282,34 @@ def parse_systemctl_show(text):
     return status
 
 
+def systemd_quote(word):
+    """One word of a systemd command line (a validated path: nothing to escape but to be sure)."""
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def hook_unit_name(name):
+    return f"{name}-on-failure.service"
+
+
+def restart_properties(spec):
+    restart = spec.get("restart") or {}
+    if restart.get("policy", "no") == "no":
+        return ["-p", "Restart=no"]
+    return [
+        "-p", "Restart=" + restart["policy"],
+        "-p", f"RestartSec={int(restart.get('delay', 10))}s",
+        "-p", f"StartLimitBurst={int(restart.get('burst', 3))}",
+        "-p", f"StartLimitIntervalSec={int(restart.get('interval', 600))}s",
+        "-p", "RestartPreventExitStatus=" + " ".join(str(c) for c in NO_RESTART_EXIT_STATUS),
+    ]  # fmt: skip
+
+
 def systemd_run_args(spec, systemd_run="systemd-run"):
-    """The systemd-run command line for ``spec`` (no --collect: a failed unit keeps its exit status)."""
+    """The systemd-run command line for ``spec`` (no --collect: a failed unit keeps its exit status).
+
+    Nothing secret and nothing a shell reads: the environment goes through a root-only file in the state
+    directory, ``$`` in the command is escaped (systemd would expand it), the exit is recorded by a fixed script."""
+    state_dir = spec["state_dir"]
     args = [
         systemd_run,
         "--unit=" + unit_name(spec["name"]),
@@ -231,21 +320,77 @@ def systemd_run_args(spec, systemd_run="systemd-run"):
         "-p", "StandardOutput=append:" + spec["log_path"],
         "-p", "StandardError=append:" + spec["log_path"],
     ]  # fmt: skip
-    # systemd unloads a transient unit that ends cleanly, and its exit status with it: record it
-    # ('+' = with full privileges, whatever User= is).
-    exit_file = os.path.join(spec["state_dir"], "exit_status")
-    args += ["-p", f"ExecStopPost=+/bin/sh -c 'echo $EXIT_CODE $EXIT_STATUS > {exit_file}'"]
+    args += restart_properties(spec)
+    watchdog = spec.get("watchdog") or {}
+    if watchdog.get("interval"):
+        # The unit's interval is the start-up one (target load, compile); the trainer tightens it to
+        # `interval` with WATCHDOG_USEC= once it trains (dflash/notify.py).
+        start = max(int(watchdog.get("start_interval") or 0), int(watchdog["interval"]))
+        args += ["-p", f"WatchdogSec={start}s", "-p", "NotifyAccess=main"]
+    if spec.get("on_failure"):
+        args += ["-p", "OnFailure=" + hook_unit_name(spec["name"])]
+    args += ["-p", f"ExecStopPost=+/bin/sh -c {systemd_quote(RECORD_EXIT_SCRIPT)} {systemd_quote(state_dir)}"]
     if spec.get("environment_file"):
         args += ["-p", "EnvironmentFile=" + spec["environment_file"]]
+    # Read after the user's file: it overrides it.
+    args += ["-p", "EnvironmentFile=" + os.path.join(state_dir, "environment")]
     if spec.get("working_directory"):
         args += ["-p", "WorkingDirectory=" + spec["working_directory"]]
     if spec.get("user"):
         args += ["-p", "User=" + spec["user"]]
-    for key, value in sorted((spec.get("environment") or {}).items()):
-        args.append(f"--setenv={key}={value}")
     args.append("--")
-    args += list(spec["command"])
+    args += [word.replace("$", "$$") for word in spec["command"]]
     return args
+
+
+def unit_environment(spec):
+    """What the job gets on top of its environment file (the module's `environment` and the watchdog's)."""
+    env = {k: str(v) for k, v in (spec.get("environment") or {}).items()}
+    watchdog = spec.get("watchdog") or {}
+    if watchdog.get("interval"):
+        env["DFLASH_WATCHDOG_SEC"] = str(int(watchdog["interval"]))
+        env["DFLASH_WATCHDOG_START_SEC"] = str(max(int(watchdog.get("start_interval") or 0), int(watchdog["interval"])))
+    return env
+
+
+def hook_unit_text(spec):
+    """The unit systemd starts (OnFailure=) when the job's restarts are exhausted: the operator's command with
+    DFLASH_JOB, DFLASH_REASON (the last end: result, exit) and systemd's MONITOR_* variables."""
+    words = " ".join(systemd_quote(w.replace("$", "$$").replace("%", "%%")) for w in spec["on_failure"])
+    return (
+        "# Written by dflash_unit: the failure hook of " + unit_name(spec["name"]) + "\n"
+        "[Unit]\n"
+        f"Description=dflash job {spec['name']}: restarts exhausted, run the failure hook\n"
+        "[Service]\n"
+        "Type=oneshot\n"
+        f"Environment=DFLASH_JOB={spec['name']}\n"
+        f"EnvironmentFile=-{os.path.join(spec['state_dir'], 'reason.env')}\n"
+        f"StandardOutput=append:{spec['log_path']}\n"
+        f"StandardError=append:{spec['log_path']}\n"
+        f"ExecStart={words}\n"
+    )
+
+
+def read_events(state_dir):
+    """The ends recorded since the launch: [{time, result, exit}] (oldest first)."""
+    events = []
+    for line in (read_text(os.path.join(state_dir, "events"), "") or "").splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0].isdigit():
+            events.append({"time": int(words[0]), "result": words[1], "exit": " ".join(words[2:]) or None})
+    return events
+
+
+def add_restart_facts(status, state_dir):
+    """restarts, watchdog_kills, last_exit_reason and crash_loop (restarts exhausted) of a status dict."""
+    events = read_events(state_dir)
+    if status.get("restarts") is None:
+        status["restarts"] = 0
+    status["watchdog_kills"] = sum(1 for e in events if e["result"] == "watchdog")
+    last = next((e for e in reversed(events) if e["result"] != "success"), None)
+    status["last_exit_reason"] = f"{last['result']} ({last['exit']})" if last else None
+    status["crash_loop"] = bool(status["active_state"] == "failed" and status.get("restarts"))
+    return status
 
 
 class SystemdBackend:
@@ -263,9 +408,9 @@ class SystemdBackend:
             raise UnitError(f"systemctl show {unit_name(spec['name'])} failed (exit {rc}): {err.strip() or out.strip()}")
         status = parse_systemctl_show(out)
         if status["exit_status"] is None and not is_running(status):
-            # A transient unit that exited 0 is unloaded by systemd; stop() recorded its status.
+            # A transient unit that exited 0 is unloaded by systemd; ExecStopPost recorded its status.
             status["exit_status"] = read_exit_status(spec["state_dir"])
-        return status
+        return add_restart_facts(status, spec["state_dir"])
 
     def present(self, spec, status):
         return status["load_state"] != "not-found" or os.path.isdir(spec["state_dir"])
@@ -275,13 +420,21 @@ class SystemdBackend:
         log_dir = os.path.dirname(spec["log_path"])
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        if any(c in spec["state_dir"] for c in " '\"\\%$"):
-            raise UnitError(f"state_dir {spec['state_dir']!r} must not contain spaces, quotes, '%' or '$' (systemd command line)")
-        os.makedirs(spec["state_dir"], mode=0o755, exist_ok=True)
-        exit_file = os.path.join(spec["state_dir"], "exit_status")
-        if os.path.exists(exit_file):
-            os.unlink(exit_file)
-        # A failed unit of the same name would block the new one.
+        state_dir = spec["state_dir"]
+        make_state_dir(state_dir)
+        for stale in ("exit_status", "events", "reason.env"):
+            if os.path.exists(os.path.join(state_dir, stale)):
+                os.unlink(os.path.join(state_dir, stale))
+        self.host.atomic_write(os.path.join(state_dir, "environment"), environment_file_text(unit_environment(spec)), mode=0o600)
+        hook = os.path.join(HOOK_UNIT_DIR, hook_unit_name(spec["name"]))
+        if spec.get("on_failure"):
+            os.makedirs(HOOK_UNIT_DIR, exist_ok=True)
+            self.host.atomic_write(hook, hook_unit_text(spec), mode=0o644)
+            self._systemctl("daemon-reload")
+        elif os.path.exists(hook):
+            os.unlink(hook)
+            self._systemctl("daemon-reload")
+        # A failed unit of the same name would block the new one (and keep its start-limit count).
         self._systemctl("reset-failed", unit_name(spec["name"]))
         rc, out, err = self.host.run(systemd_run_args(spec))
         if rc != 0:
@@ -309,6 +462,10 @@ class SystemdBackend:
 
     def remove(self, spec):
         self._systemctl("reset-failed", unit_name(spec["name"]))
+        hook = os.path.join(HOOK_UNIT_DIR, hook_unit_name(spec["name"]))
+        if os.path.exists(hook):
+            os.unlink(hook)
+            self._systemctl("daemon-reload")
 
 
 # --------------------------------------------------------------------------- daemon
@@ -372,10 +529,10 @@ def _environ_has(pid, marker):
 def job_processes(record):
     """Live (non-zombie) processes of the job described by a daemon pidfile ``record``.
 
-    The job's leader counts while its pid has the recorded start time; every other process
-    must carry the job's DFLASH_UNIT_ID marker in its environment (inherited by all
-    descendants, also those that left the process group). A recycled pid or process-group
-    number therefore never matches, and nothing is ever matched by name.
+    Every process must carry the job's DFLASH_UNIT_ID marker in its environment (inherited by all
+    descendants, also those that left the process group), and the leader also the recorded start
+    time. A recycled pid or process-group number, or a record naming some other process, therefore
+    never matches, and nothing is ever matched by name.
     """
     marker = ("DFLASH_UNIT_ID=" + record["token"]).encode() if record.get("token") else None
     leader = int(record["pid"])
@@ -388,7 +545,8 @@ def job_processes(record):
         if stat is None or stat[0] in ("Z", "X"):
             continue
         if pid == leader:
-            if stat[2] == record.get("starttime"):
+            # Identity, not just a number: the recorded start time and the job's own marker.
+            if stat[2] == record.get("starttime") and marker is not None and _environ_has(pid, marker):
                 found.append(pid)
         elif marker is not None and pid != os.getpid() and _environ_has(pid, marker):
             found.append(pid)
@@ -420,7 +578,7 @@ def build_daemon_environment(spec, pw):
     env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
     if spec.get("environment_file"):
         env.update(parse_environment_file(read_text(spec["environment_file"], "")))
-    env.update({k: str(v) for k, v in (spec.get("environment") or {}).items()})
+    env.update(unit_environment(spec))
     return env
 
 
@@ -434,7 +592,8 @@ def _user_entry(user):
 
 
 class DaemonBackend:
-    """A job detached from the caller: new session, own process group, pidfile, log redirection."""
+    """A job detached from the caller: new session, own process group, pidfile, log redirection, and a
+    supervisor (dflash_supervisor) that restarts it on failure, runs its watchdog and its failure hook."""
 
     name = "daemon"
 
@@ -449,16 +608,13 @@ class DaemonBackend:
         if not text:
             return None
         try:
-            return json.loads(text)
+            record = json.loads(text)
         except ValueError:
             return None
+        return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
 
     def _alive(self, record):
-        if not record:
-            return False
-        stat = proc_stat(int(record["pid"]))
-        # The start time guards against a recycled pid.
-        return stat is not None and stat[0] not in ("Z", "X") and stat[2] == record.get("starttime")
+        return bool(record) and int(record["pid"]) in job_processes(record)
 
     def status(self, spec):
         record = self._record(spec)
@@ -466,10 +622,16 @@ class DaemonBackend:
         if record is None and not os.path.isdir(spec["state_dir"]):
             return status
         status["load_state"] = "loaded"
+        status["restarts"] = int((record or {}).get("restarts") or 0)
         exit_status = read_exit_status(spec["state_dir"])
+        supervised = record is not None and pid_alive(record.get("supervisor_pid"))
         if self._alive(record):
             status.update(active_state="active", sub_state="running", main_pid=int(record["pid"]))
-        elif record is not None and exit_status is None and pid_alive(record.get("supervisor_pid")):
+        elif supervised and not os.path.exists(os.path.join(spec["state_dir"], "stopping")) and exit_status is not None \
+                and (spec.get("restart") or {}).get("policy", "no") != "no":
+            # Between two runs: the supervisor waits the restart delay (systemd: activating/auto-restart).
+            status.update(active_state="activating", sub_state="auto-restart", exit_status=exit_status)
+        elif supervised:
             # The job is gone and its supervisor is about to record the exit status.
             status.update(active_state="deactivating", sub_state="stop-post")
         elif exit_status is not None:
@@ -481,7 +643,7 @@ class DaemonBackend:
         elif record is not None:
             # Gone without a recorded status: the supervisor was killed (e.g. by the OOM killer).
             status.update(active_state="failed", sub_state="failed", result="signal")
-        return status
+        return add_restart_facts(status, spec["state_dir"])
 
     def present(self, spec, status):
         return os.path.isdir(spec["state_dir"])
@@ -489,23 +651,28 @@ class DaemonBackend:
     def start(self, spec):
         pw = _user_entry(spec.get("user"))
         state_dir = spec["state_dir"]
-        os.makedirs(state_dir, mode=0o755, exist_ok=True)
+        make_state_dir(state_dir)
         log_dir = os.path.dirname(spec["log_path"])
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        exit_file = os.path.join(state_dir, "exit_status")
-        if os.path.exists(exit_file):
-            os.unlink(exit_file)
+        for stale in ("exit_status", "events", "reason.env", "stopping", "failed"):
+            if os.path.exists(os.path.join(state_dir, stale)):
+                os.unlink(os.path.join(state_dir, stale))
         token = uuid.uuid4().hex
         env = build_daemon_environment(spec, pw)
         workdir = spec.get("working_directory") or pw.pw_dir or "/"
         if not os.path.isdir(workdir):
             raise UnitError(f"working_directory {workdir!r} does not exist: create it or change working_directory")
         drop = spec.get("user") and os.getuid() == 0 and pw.pw_uid != 0
+        options = {
+            "name": spec["name"], "state_dir": state_dir, "token": token, "workdir": workdir,
+            "uid": pw.pw_uid, "gid": pw.pw_gid, "user": pw.pw_name if drop else None,
+            "restart": spec.get("restart") or {"policy": "no"}, "watchdog": spec.get("watchdog") or {},
+            "on_failure": spec.get("on_failure") or None,
+        }  # fmt: skip
         read_fd, write_fd = os.pipe()
-        argv = [sys.executable, "-I", "-c", DAEMON_SUPERVISOR, exit_file, str(write_fd),
-                str(pw.pw_uid) if drop else "-", str(pw.pw_gid) if drop else "-", pw.pw_name if drop else "-",
-                workdir, token, "--", *spec["command"]]  # fmt: skip
+        argv = [sys.executable, "-I", "-c", inspect.getsource(dflash_supervisor), state_dir, str(write_fd),
+                json.dumps(options), "--", *spec["command"]]  # fmt: skip
         child = os.fork()
         if child == 0:  # first child: new session, fork the supervisor, leave
             try:
@@ -526,24 +693,14 @@ class DaemonBackend:
         os.waitpid(child, 0)
         if not data:
             raise UnitError(f"could not start the daemon for {spec['name']}: see {spec['log_path']}")
-        pid, supervisor = (int(x) for x in data.split())
-        stat = proc_stat(pid)
-        record = {
-            "pid": pid,
-            "pgid": pid,
-            "supervisor_pid": supervisor,
-            "token": token,
-            "starttime": stat[2] if stat else None,
-            "started_at": time.time(),
-            "command": list(spec["command"]),
-        }
-        self.host.atomic_write(self._pidfile(spec), json.dumps(record) + "\n")
 
     def stop(self, spec):
         record = self._record(spec)
         status = self.status(spec)
         if record is None:
             return status
+        if os.path.isdir(spec["state_dir"]):  # the supervisor restarts nothing from now on
+            self.host.atomic_write(os.path.join(spec["state_dir"], "stopping"), "")
         timeout = float(spec.get("stop_timeout", 90))
         if _signal_job(record, signal.SIGTERM):
             deadline = self.host.now() + timeout
@@ -555,9 +712,10 @@ class DaemonBackend:
                     self.host.sleep(0.1)
                 if job_processes(record):
                     raise UnitError(f"processes {job_processes(record)} of {spec['name']} survived SIGKILL")
-        # The supervisor records the status right after the job is reaped.
+        # The supervisor records the status right after the job is reaped, then ends.
         deadline = self.host.now() + 5
-        while read_exit_status(spec["state_dir"]) is None and self.host.now() < deadline:
+        while (read_exit_status(spec["state_dir"]) is None or pid_alive(record.get("supervisor_pid"))) \
+                and self.host.now() < deadline:
             self.host.sleep(0.05)
         return self.status(spec)
 
@@ -644,13 +802,37 @@ def clear_directory(path):
     return bool(entries)
 
 
+def check_spec(spec):
+    """Names and paths that end up in unit properties and file names: strict, or one readable error."""
+    check_name(spec["name"])
+    for key in ("state_dir", "log_path", "environment_file", "working_directory"):
+        check_path(key, spec.get(key))
+    for word in spec.get("on_failure") or []:
+        if "\n" in word or "\0" in word:
+            raise UnitError("on_failure: an argument holds a newline or NUL; give the command as plain words")
+
+
+def crash_loop_message(spec, status):
+    tail = "".join(f"\n  {line}" for line in (tail_lines(spec.get("log_path") or "", 10) or []))
+    return (
+        f"{spec['name']} is in a crash loop: restarted {status.get('restarts')} time(s), it failed again each time "
+        f"and its restarts are exhausted (last end: {status.get('last_exit_reason') or status.get('result')}); "
+        "relaunching the same configuration would fail the same way. Fix the cause (the log below) and deploy the "
+        "fix (a changed config, code or environment restarts it), or relaunch it unchanged with state=restarted "
+        f"(dflash_job_state=restarted). Last log lines of {spec.get('log_path')}:{tail}"
+    )
+
+
 def ensure(spec, state, backend, host, check_mode=False):
     """Bring the job to ``state``. Returns the module result (without diff)."""
+    check_spec(spec)
     status = backend.status(spec)
     running = is_running(status)
     hash_file = os.path.join(spec["state_dir"], "config_hash")
     previous_hash = (read_text(hash_file, "") or "").strip() or None
     current_hash = spec.get("config_hash")
+    if state == "started" and status.get("crash_loop") and current_hash == previous_hash:
+        raise UnitError(crash_loop_message(spec, status))
     action = plan_action(state, running, backend.present(spec, status), current_hash, previous_hash)
     result = {
         "changed": action != "none",
@@ -696,5 +878,8 @@ def ensure(spec, state, backend, host, check_mode=False):
         sub_state=after["sub_state"],
         main_pid=after["main_pid"],
         exit_status=after["exit_status"],
+        restarts=after.get("restarts") or 0,
+        watchdog_kills=after.get("watchdog_kills") or 0,
+        last_exit_reason=after.get("last_exit_reason"),
     )
     return result

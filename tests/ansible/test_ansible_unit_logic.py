@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from ansible.module_utils.dflash_unit import (
+    RECORD_EXIT_SCRIPT,
     UnitError,
     clear_directory,
     config_hash,
@@ -76,19 +77,28 @@ def test_systemd_run_command_line():
     spec = {
         "name": "dflash-train", "command": ["/v/bin/python", "-m", "dflash", "train", "/etc/dflash/c.yaml"],
         "log_path": "/var/log/dflash/j.log", "stop_timeout": 120, "environment_file": "/etc/dflash/j.env",
-        "working_directory": "/var/lib/dflash/runs/j", "user": "dflash", "state_dir": "/var/lib/dflash/units/dflash-train",
+        "working_directory": "/var/lib/dflash/runs/j", "user": "dflash", "state_dir": "/var/lib/dflash-units/dflash-train",
         "environment": {"PYTHONPATH": "/opt/dflash/current", "A": "b c"},
+        "restart": {"policy": "on-failure", "delay": 5, "burst": 3, "interval": 300},
+        "watchdog": {"interval": 60, "start_interval": 900}, "on_failure": ["/usr/bin/curl", "-d", "x"],
     }  # fmt: skip
     assert systemd_run_args(spec) == [
         "systemd-run", "--unit=dflash-train.service", "--description=dflash job dflash-train",
         "-p", "Type=exec", "-p", "KillMode=mixed", "-p", "TimeoutStopSec=120s",
         "-p", "StandardOutput=append:/var/log/dflash/j.log", "-p", "StandardError=append:/var/log/dflash/j.log",
-        "-p", "ExecStopPost=+/bin/sh -c 'echo $EXIT_CODE $EXIT_STATUS > /var/lib/dflash/units/dflash-train/exit_status'",
-        "-p", "EnvironmentFile=/etc/dflash/j.env", "-p", "WorkingDirectory=/var/lib/dflash/runs/j", "-p", "User=dflash",
-        "--setenv=A=b c", "--setenv=PYTHONPATH=/opt/dflash/current",
+        "-p", "Restart=on-failure", "-p", "RestartSec=5s", "-p", "StartLimitBurst=3", "-p", "StartLimitIntervalSec=300s",
+        "-p", "RestartPreventExitStatus=2",
+        "-p", "WatchdogSec=900s", "-p", "NotifyAccess=main",
+        "-p", "OnFailure=dflash-train-on-failure.service",
+        "-p", 'ExecStopPost=+/bin/sh -c "' + RECORD_EXIT_SCRIPT.replace('"', '\\"') + '" "/var/lib/dflash-units/dflash-train"',
+        "-p", "EnvironmentFile=/etc/dflash/j.env",
+        "-p", "EnvironmentFile=/var/lib/dflash-units/dflash-train/environment",
+        "-p", "WorkingDirectory=/var/lib/dflash/runs/j", "-p", "User=dflash",
         "--", "/v/bin/python", "-m", "dflash", "train", "/etc/dflash/c.yaml",
     ]  # fmt: skip
     assert "--collect" not in systemd_run_args(spec)
+    # no environment value on the command line (it is world-readable in /proc)
+    assert not any("b c" in word or "/opt/dflash/current" in word for word in systemd_run_args(spec))
 
 
 def test_systemctl_show_running():
@@ -317,5 +327,7 @@ def test_exit_status_files_of_both_backends(text, expected):
 def test_systemd_state_dir_must_be_safe_for_the_command_line(tmp_path, fake_host):
     from ansible.module_utils.dflash_unit import SystemdBackend
 
-    with pytest.raises(UnitError, match="must not contain spaces"):
-        SystemdBackend(fake_host()).start({**_systemd_spec(tmp_path), "state_dir": str(tmp_path / "a b")})
+    for bad in ("a b", "x'y", "x;touch /tmp/pwned", "x`id`", "x$y", "x%n", "x>y"):
+        with pytest.raises(UnitError, match="must be an absolute path of letters"):
+            ensure({**_systemd_spec(tmp_path), "state_dir": str(tmp_path / bad)}, "started",
+                   SystemdBackend(fake_host()), fake_host())

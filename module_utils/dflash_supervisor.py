@@ -1,0 +1,188 @@
+# Copyright: dflash authors
+# Apache-2.0
+"""The daemon backend's supervisor: what systemd does for a unit, where there is no systemd.
+
+A small root process outside the job's process group. It forks the job into its own group (as the
+trainer's user), records every end of it in the state directory (``exit_status``, one line per end in
+``events``: time, result, how it ended), restarts it on failure with a delay and a bounded burst, kills it
+when its watchdog pings stop (the sd_notify protocol on an abstract socket named in NOTIFY_SOCKET), and runs
+the operator's failure hook when the restarts are exhausted.
+
+Run by dflash_unit as ``python -I -c <this file's source> STATE_DIR PIPE_FD OPTIONS_JSON -- COMMAND...``;
+it imports nothing outside the standard library. OPTIONS_JSON: name, state_dir, uid, gid, user (null = no change),
+workdir, token (the job's DFLASH_UNIT_ID marker), restart {policy, delay, burst, interval}, watchdog {interval,
+start_interval}, on_failure (argv or null), log_path. The first start's pid goes through PIPE_FD.
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+# Ends that count as success for Restart=on-failure (systemd's clean exit signals) and exits never restarted.
+CLEAN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE)
+NO_RESTART_EXIT_STATUS = (2,)
+
+
+def proc_starttime(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            text = handle.read()
+        return int(text[text.rfind(")") + 2 :].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def atomic_write(path, text, mode=0o600):
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def spawn(cmd, options, notify_address, pipe_fd):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)
+            if pipe_fd >= 0:  # the caller waits for the pipe's end, not for the job's
+                os.close(pipe_fd)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGQUIT):
+                signal.signal(sig, signal.SIG_DFL)
+            if options.get("user"):
+                os.initgroups(options["user"], int(options["gid"]))
+                os.setgid(int(options["gid"]))
+                os.setuid(int(options["uid"]))
+            os.chdir(options["workdir"])
+            os.environ["DFLASH_UNIT_ID"] = options["token"]
+            if notify_address:
+                os.environ["NOTIFY_SOCKET"] = notify_address
+            os.execvp(cmd[0], cmd)
+        except BaseException as exc:  # noqa: BLE001 - anything: report it in the job's log
+            sys.stderr.write(f"dflash-unit: cannot run {cmd[0]!r}: {exc}\n")
+            sys.stderr.flush()
+            os._exit(127)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    return pid
+
+
+def parse_notify(data):
+    fields = {}
+    for line in data.decode(errors="replace").splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            fields[key] = value
+    return fields
+
+
+def wait_job(pid, sock, watchdog):
+    """Wait for the job to end; kill its group when the watchdog expires. Returns (wait status, watchdog kill)."""
+    interval = float(watchdog.get("start_interval") or watchdog.get("interval") or 0)
+    deadline = time.monotonic() + interval if interval else None
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, False
+        timeout = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+        if sock is None:
+            time.sleep(timeout)
+        elif select.select([sock], [], [], timeout)[0]:
+            fields = parse_notify(sock.recv(4096))
+            if fields.get("WATCHDOG_USEC", "").isdigit():
+                interval = int(fields["WATCHDOG_USEC"]) / 1e6
+                deadline = time.monotonic() + interval
+            if fields.get("WATCHDOG") == "1" and interval:
+                deadline = time.monotonic() + interval
+        if deadline is not None and time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            return os.waitpid(pid, 0)[1], True
+
+
+def describe(status, watchdog_kill):
+    """(result, exit words, shell-style code) as systemd names them: exit-code/signal/watchdog, exited N/killed SIG."""
+    if os.WIFEXITED(status):
+        code = os.WEXITSTATUS(status)
+        return ("success" if code == 0 else "exit-code"), f"exited {code}", code
+    sig = os.WTERMSIG(status)
+    name = signal.Signals(sig).name.removeprefix("SIG") if sig in signal.Signals._value2member_map_ else str(sig)
+    result = "watchdog" if watchdog_kill else ("success" if sig in CLEAN_SIGNALS else "signal")
+    return result, f"killed {name}", 128 + sig
+
+
+def main(argv):
+    state_dir, pipe_fd, options = argv[0], int(argv[1]), json.loads(argv[2])
+    cmd = argv[4:]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    restart = options.get("restart") or {}
+    watchdog = options.get("watchdog") or {}
+    sock = address = None
+    if watchdog.get("interval"):
+        # Abstract: the job's user can reach it though the state directory is root's alone.
+        address = "@dflash-notify-" + options["token"]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind("\0" + address[1:])
+    starts, restarts = [], 0
+    while True:
+        pid = spawn(cmd, options, address, pipe_fd)
+        starts.append(time.monotonic())
+        record = {"pid": pid, "pgid": pid, "supervisor_pid": os.getpid(), "token": options["token"],
+                  "starttime": proc_starttime(pid), "started_at": time.time(), "restarts": restarts, "command": cmd}
+        atomic_write(os.path.join(state_dir, "pid"), json.dumps(record) + "\n")
+        if pipe_fd >= 0:
+            os.write(pipe_fd, str(pid).encode())
+            os.close(pipe_fd)
+            pipe_fd = -1
+        status, watchdog_kill = wait_job(pid, sock, watchdog)
+        result, words, code = describe(status, watchdog_kill)
+        atomic_write(os.path.join(state_dir, "exit_status"), f"{code}\n")
+        with open(os.path.join(state_dir, "events"), "a") as handle:
+            handle.write(f"{int(time.time())} {result} {words}\n")
+        atomic_write(os.path.join(state_dir, "reason.env"), f"DFLASH_REASON={result}: {words}\n")
+        if os.path.exists(os.path.join(state_dir, "stopping")) or restart.get("policy", "no") == "no":
+            return
+        if result == "success" or (os.WIFEXITED(status) and code in NO_RESTART_EXIT_STATUS):
+            return
+        now = time.monotonic()
+        recent = [t for t in starts if now - t < float(restart.get("interval", 600))]
+        if len(recent) >= int(restart.get("burst", 3)):
+            run_hook(options, words, result)
+            return
+        resume_at = time.monotonic() + float(restart.get("delay", 10))
+        while time.monotonic() < resume_at:  # a stop during the delay ends it at once
+            if os.path.exists(os.path.join(state_dir, "stopping")):
+                return
+            time.sleep(0.1)
+        restarts += 1
+
+
+def run_hook(options, words, result):
+    """Restarts exhausted: the operator's command, with the job's name and the reason in its environment."""
+    with open(os.path.join(options["state_dir"], "failed"), "w") as handle:
+        handle.write(f"{result}: {words}\n")
+    if not options.get("on_failure"):
+        return
+    env = dict(os.environ, DFLASH_JOB=options["name"], DFLASH_REASON=f"{result}: {words}")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.execvpe(options["on_failure"][0], options["on_failure"], env)
+        finally:
+            os._exit(127)
+    os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,134 @@
+"""Self-healing of the daemon backend for real on this machine (what systemd's Restart=, StartLimitBurst=,
+WatchdogSec= and OnFailure= do for the systemd backend, proven in molecule/selfheal): a killed job restarts
+by itself, a hung one is killed by its watchdog, a crash loop stops after the burst and runs the hook, and
+the next deploy reports the loop instead of relaunching it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+from ansible.module_utils.dflash_host import LocalHost
+from ansible.module_utils.dflash_unit import DaemonBackend, UnitError, ensure, is_running
+from conftest import ROOT
+
+# A trainer stand-in that speaks dflash.notify: start-up allowance, READY, a ping per step.
+PINGING = [sys.executable, "-u", "-c", (
+    "import time\nfrom dflash.notify import Notifier\nn = Notifier()\nn.loading()\ntime.sleep(0.3)\n"
+    "for step in range(1, 100000):\n    time.sleep(0.1)\n    n.step(step)\n    print('step', step, flush=True)\n"
+)]  # fmt: skip
+LOOP = [sys.executable, "-u", "-c", "import time\nwhile True:\n    time.sleep(0.1)"]
+
+
+def wait_for(predicate, timeout=15.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    backend = DaemonBackend(LocalHost())
+    specs = []
+
+    def make(command, **kw):
+        spec = {"name": "heal-" + tmp_path.name[-20:], "command": command, "log_path": str(tmp_path / "job.log"),
+                "state_dir": str(tmp_path / "state"), "stop_timeout": 5, "working_directory": str(tmp_path),
+                "environment": {"PYTHONPATH": str(ROOT)}, "config_hash": "h1", "settle_time": 0,
+                "restart": {"policy": "on-failure", "delay": 0.5, "burst": 3, "interval": 60}, **kw}  # fmt: skip
+        specs.append(spec)
+        return spec
+
+    yield backend, make
+    for spec in specs:
+        backend.stop({**spec, "stop_timeout": 1})
+
+
+def test_a_killed_job_restarts_by_itself(daemon):
+    backend, make = daemon
+    spec = make(LOOP)
+    backend.start(spec)
+    first = wait_for(lambda: backend.status(spec)["main_pid"])
+    os.kill(first, signal.SIGKILL)
+    t0 = time.monotonic()
+    second = wait_for(lambda: (backend.status(spec)["main_pid"] or first) != first and backend.status(spec)["main_pid"])
+    assert second and second != first and time.monotonic() - t0 < 5
+    status = backend.status(spec)
+    assert status["active_state"] == "active" and status["restarts"] == 1
+    assert status["last_exit_reason"] == "signal (killed KILL)" and status["watchdog_kills"] == 0
+
+
+def test_a_hung_job_is_killed_by_its_watchdog_and_restarted(daemon):
+    backend, make = daemon
+    spec = make(PINGING, watchdog={"interval": 1, "start_interval": 5})
+    backend.start(spec)
+    first = wait_for(lambda: backend.status(spec)["main_pid"])
+    assert wait_for(lambda: "step 3" in open(spec["log_path"]).read())
+    os.kill(first, signal.SIGSTOP)
+    t0 = time.monotonic()
+    second = wait_for(lambda: (backend.status(spec)["main_pid"] or first) != first and backend.status(spec)["main_pid"])
+    took = time.monotonic() - t0
+    assert second and second != first, backend.status(spec)
+    assert 0.8 < took < 1 + 0.5 + 2, took  # the steady interval (1 s), then the restart delay
+    status = backend.status(spec)
+    assert status["watchdog_kills"] == 1 and status["last_exit_reason"] == "watchdog (killed KILL)"
+
+
+def test_the_start_up_allowance_covers_a_slow_start(daemon):
+    backend, make = daemon
+    slow = [PINGING[0], "-u", "-c", "import time\n" + PINGING[3].replace("time.sleep(0.3)", "time.sleep(2.5)")]
+    spec = make(slow, watchdog={"interval": 1, "start_interval": 4})
+    backend.start(spec)
+    assert wait_for(lambda: "step 5" in open(spec["log_path"]).read(), timeout=10)
+    assert backend.status(spec)["watchdog_kills"] == 0 and backend.status(spec)["restarts"] == 0
+
+
+def test_a_crash_loop_stops_after_the_burst_runs_the_hook_and_is_reported(daemon, tmp_path):
+    backend, make = daemon
+    hook_out = tmp_path / "hook.out"
+    spec = make(["sh", "-c", "echo crashing; exit 3"],
+                on_failure=["sh", "-c", f'echo "$DFLASH_JOB|$DFLASH_REASON" > {hook_out}'])
+    backend.start(spec)
+    status = wait_for(lambda: backend.status(spec)["active_state"] == "failed" and backend.status(spec))
+    assert status and status["crash_loop"] and status["restarts"] == 2, backend.status(spec)
+    assert open(spec["log_path"]).read().count("crashing") == 3  # the burst: 3 starts, then no more
+    assert wait_for(hook_out.exists)
+    assert hook_out.read_text() == f"{spec['name']}|exit-code: exited 3\n"
+    assert status["last_exit_reason"] == "exit-code (exited 3)" and status["exit_status"] == 3
+    (tmp_path / "state" / "config_hash").write_text("h1\n")
+    with pytest.raises(UnitError, match=r"(?s)crash loop: restarted 2 time\(s\).*exit-code \(exited 3\).*state=restarted.*crashing"):
+        ensure(spec, "started", backend, LocalHost())
+    time.sleep(1)
+    assert open(spec["log_path"]).read().count("crashing") == 3  # not relaunched blindly
+    result = ensure({**spec, "config_hash": "h2"}, "started", backend, LocalHost())  # a fix deployed: relaunch
+    assert result["action"] == "started"
+
+
+def test_bad_input_exit_2_is_never_restarted(daemon):
+    backend, make = daemon
+    spec = make(["sh", "-c", "echo 'dflash: error: bad'; exit 2"])
+    backend.start(spec)
+    status = wait_for(lambda: backend.status(spec)["active_state"] == "failed" and backend.status(spec))
+    time.sleep(1)
+    assert status["exit_status"] == 2 and not status["crash_loop"] and backend.status(spec)["restarts"] == 0
+    assert open(spec["log_path"]).read().count("dflash: error") == 1
+
+
+def test_a_stop_during_the_restart_delay_ends_it_for_good(daemon):
+    backend, make = daemon
+    spec = make(LOOP, restart={"policy": "on-failure", "delay": 3, "burst": 3, "interval": 60})
+    backend.start(spec)
+    first = wait_for(lambda: backend.status(spec)["main_pid"])
+    os.kill(first, signal.SIGKILL)
+    assert wait_for(lambda: backend.status(spec)["sub_state"] == "auto-restart")
+    assert is_running(backend.status(spec))  # between two runs: a deploy leaves it alone
+    backend.stop(spec)
+    time.sleep(3.5)
+    assert not is_running(backend.status(spec)) and backend.status(spec)["main_pid"] is None
