@@ -82,6 +82,7 @@ BACKEND_VARIANTS = {
     "eager": ({"compile": False}, {}),
     "pad512": ({"compile": True, "pad_to_multiple_of": 512}, {}),  # the 2026-12-01 call-3 setting
     "continuous": ({"batching": "continuous"}, {}),
+    "refill": ({"batching": "refill"}, {}),  # finished rows replaced once half the batch is done
 }
 
 
@@ -92,7 +93,7 @@ def _timed_regenerate(convs, backend, params):
     t0 = time.perf_counter()
     _, stats = regenerate_conversations(convs, backend, params)
     sync()
-    return time.perf_counter() - t0, stats.generated_tokens
+    return time.perf_counter() - t0, stats
 
 
 def sec_backend(model, args):
@@ -103,6 +104,9 @@ def sec_backend(model, args):
 
     tok = build_tokenizer(min(4096, model.config.vocab_size - 100))
     results = {}
+    vocab = model.config.vocab_size  # the random target generates from all of it (suppression off below)
+    stop_ids = (sorted(random.Random(5).sample(range(100, vocab), max(1, round(args.stop_share * vocab))))
+                if args.stop_share else [])
     for bs in args.backend_batches:
         convs = _ragged_conversations(bs * args.rounds, args.min_prompt, args.max_prompt, len(tok) - 30, seed=bs)
         for spec in [v for v in args.variants.split(",") if v]:
@@ -114,18 +118,23 @@ def sec_backend(model, args):
             backend = TransformersBackend(model, tok, batch_size=bs, **kwargs)
             for k, v in attrs.items():
                 setattr(backend, k, v)
-            backend.stop_ids = []  # every row generates max_new_tokens, as in the baseline
+            # EOS off: every row generates max_new_tokens, as in the baseline; --stop-share: a random share of
+            # the ids stops an answer, so lengths are uneven (geometric, mean ~1/share, capped at --new)
+            backend.stop_ids = stop_ids
             backend.suppress = None  # the synthetic tokenizer forbids ~148k of 152k ids; a real one ~270
             try:
                 first, _ = _timed_regenerate(convs, backend, params)
-                dt, gen = _timed_regenerate(convs, backend, params)
+                dt, stats = _timed_regenerate(convs, backend, params)
+                gen = stats.generated_tokens
             except Exception as exc:  # one variant failing must not lose the others
                 results[f"{bs}/{variant}"] = {"error": repr(exc)[:300]}
                 print(f"{bs}/{variant} failed: {exc!r}", flush=True)
                 continue
             key = f"{bs}/{variant}"
-            results[key] = {"prompts": len(convs), "first_pass_s": round(first, 2), "seconds": round(dt, 2),
+            results[key] = {"prompts": len(convs), "stop_ids": len(stop_ids), "max_new_tokens": args.new,
+                            "first_pass_s": round(first, 2), "seconds": round(dt, 2),
                             "generated_tokens": gen, "tokens_per_s": round(gen / dt, 1),
+                            "answers_at_max_new_tokens": stats.hit_max_new_tokens,
                             "prompt_tokens": f"{args.min_prompt}..{args.max_prompt}",
                             "describe": {k: v for k, v in backend.describe().items()
                                          if k in ("compiled_decoding", "kv_cache", "batching")}}
@@ -257,6 +266,8 @@ def main() -> int:
                    help=f"backend settings measured per batch size: {', '.join(BACKEND_VARIANTS)}")
     p.add_argument("--profile", default=None, metavar="VARIANT",
                    help="profile one short batch of this backend variant (top kernels to profile.txt)")
+    p.add_argument("--stop-share", type=float, default=0.0,
+                   help="backend: this share of the tokenizer's ids ends an answer (uneven lengths; 0: EOS off)")
     p.add_argument("--rounds", type=int, default=2, help="batches of prompts per backend measurement")
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)

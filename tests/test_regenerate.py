@@ -188,6 +188,37 @@ def test_grouped_query_decoding_keeps_answers_and_restores_the_model(target):
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("stops", [[30], [54, 38]])
+def test_refill_batching_gives_the_static_answers(target, stops):
+    """batching="refill": once half a batch has finished, the finished rows are answered and replaced, the
+    others go on from prompt + generated ids. Extra stop ids give this random target answers of uneven
+    lengths; the greedy answers equal static batches' and one-at-a-time decoding."""
+    model, tok = target
+    convs = conversations()
+    params = SamplingParams(max_new_tokens=24)
+
+    def run(batching: str, batch_size: int):
+        backend = TransformersBackend(model, tok, batch_size=batch_size, batching=batching)
+        backend.stop_ids = list(stops)
+        widths, real = [], backend._generate_static
+
+        def spy(prompts, *args, **kwargs):
+            widths.append(max(len(p) for p in prompts))
+            return real(prompts, *args, **kwargs)
+
+        backend._generate_static = spy
+        out, stats = regenerate_conversations(convs, backend, params)
+        return out, stats, widths
+
+    ref, ref_stats, _ = run("static", 1)
+    assert 0 < ref_stats.hit_max_new_tokens < ref_stats.turns  # uneven: some answers stop early, some do not
+    for batch_size in (2, 3):
+        out, stats, widths = run("refill", batch_size)
+        assert out == ref and stats.generated_tokens == ref_stats.generated_tokens
+        assert len(widths) > -(-ref_stats.turns // batch_size)  # rows went on in later rounds: refills happened
+    assert run("static", 4)[0] == ref
+
+
 def test_too_long_prompts_are_skipped_and_counted(target):
     model, tok = target
     short = [{"role": "user", "content": "count by 1 from w1"}, {"role": "assistant", "content": "x"},

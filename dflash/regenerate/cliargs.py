@@ -33,8 +33,9 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--max-prompt-tokens",), {"type": int, "default": None,
                                 "help": "skip longer prompts (default: max positions - max_new_tokens)"}),
     (("--batch-size",), {"type": int, "default": 64, "help": "transformers backend: prompts per generate call"}),
-    (("--batching",), {"choices": ["static", "continuous"], "default": "static",
-                       "help": "transformers backend: length-bucketed static batches (default) or transformers' "
+    (("--batching",), {"choices": ["static", "refill", "continuous"], "default": "static",
+                       "help": "transformers backend: length-bucketed static batches (default); refill: the "
+                               "finished rows of a batch replaced once half of them are done; or transformers' "
                                "continuous batching"}),
     (("--shard-size",), {"type": int, "default": 1000, "help": "conversations per resumable shard"}),
     (("--limit",), {"type": int, "default": None, "help": "only the first N conversations"}),

@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import logging
 import math
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 CACHE_LEN_MULTIPLE = 256  # static caches are sized per batch, rounded up: few distinct shapes
+BATCHING_MODES = ("static", "refill", "continuous")
+REFILL_FRACTION = 0.5  # batching="refill": a batch is refilled once this share of its rows has finished
 COMPILED_WIDTH_MULTIPLE = 64  # compiled decoding: prompt widths padded to a multiple (few distinct shapes)
 
 
@@ -91,6 +94,22 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
+def _enough_rows_done(start: int, stop_ids: list[int], rows: int):
+    """A transformers stopping criterion: every row stops once REFILL_FRACTION of the rows have generated a
+    stop token after column `start` (tensor ops only: no host sync of its own)."""
+    from transformers import StoppingCriteria
+
+    need = max(1, math.ceil(REFILL_FRACTION * rows))
+    stops = torch.tensor(stop_ids, dtype=torch.long)
+
+    class EnoughRowsDone(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            done = torch.isin(input_ids[:, start:], stops.to(input_ids.device)).any(-1)
+            return (done.sum() >= need).expand_as(done)
+
+    return EnoughRowsDone()
+
+
 class TransformersBackend:
     """Answers with `model.generate`: prompts sorted by length (longest first) into batches of similar
     lengths, left padding, a static KV cache sized per batch (the default cache where the model has none),
@@ -100,6 +119,11 @@ class TransformersBackend:
     over the static cache; prompt widths are then padded to a multiple of 64 so that a run sees few shapes.
     Grouped-query `sdpa` targets decode without copying K/V per query head (`dflash.regenerate.attention`).
 
+    batching="refill": static batches that stop once half their rows have finished; the finished rows are
+    answered and replaced by the next prompts, the unfinished ones go on from their prompt plus what they
+    generated (one prefill of it), so long answers do not hold a batch of finished rows. Greedy answers equal
+    the static mode's.
+
     batching="continuous": transformers' continuous batching (`model.generate_batch`, paged attention,
     finished rows refilled); greedy answers equal the static mode's; sampling is not reproducible there.
     """
@@ -107,12 +131,12 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(self, model, tokenizer, batch_size: int = 64,
-                 batching: Literal["static", "continuous"] = "static", pad_to_multiple_of: int | None = None,
+                 batching: Literal["static", "refill", "continuous"] = "static", pad_to_multiple_of: int | None = None,
                  compile: bool | None = None, check_roundtrip: bool = True):
         if batch_size < 1:
             raise BadInput(f"batch_size must be >= 1, got {batch_size}")
-        if batching not in ("static", "continuous"):
-            raise BadInput(f"batching must be 'static' or 'continuous', got {batching!r}")
+        if batching not in BATCHING_MODES:
+            raise BadInput(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
         if not getattr(tokenizer, "chat_template", None):
             raise BadInput(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
         self.model, self.tokenizer = model, tokenizer
@@ -141,8 +165,9 @@ class TransformersBackend:
         return {"backend": self.name, "model_type": getattr(cfg, "model_type", None),
                 "model_class": type(self.model).__name__, "dtype": str(next(self.model.parameters()).dtype),
                 "device": str(self.device), "batching": self.batching, "batch_size": self.batch_size,
-                "compiled_decoding": self.compile, "kv_cache": {None: "static (untried)", True: "static", False: "default"}[self._static]
-                if self.batching == "static" else "paged",
+                "compiled_decoding": self.compile,
+                "kv_cache": {None: "static (untried)", True: "static", False: "default"}[self._static]
+                if self.batching != "continuous" else "paged",
                 "stop_token_ids": self.stop_ids, "suppressed_token_ids": len(self.suppress or [])}
 
     def prompt_limit(self, params: SamplingParams) -> int | None:
@@ -173,6 +198,9 @@ class TransformersBackend:
         if progress is not None and len(todo) < len(prompts):
             progress(len(prompts) - len(todo), 0)
         todo.sort(key=lambda i: (-len(prompts[i]), i))  # longest first: memory peaks at once, not at the end
+        if self.batching == "refill":
+            self._generate_refill(todo, prefixes, prompts, params, replies, progress)
+            return replies  # type: ignore[return-value]
         if self.batching == "continuous":
             batches = [todo] if todo else []
         else:
@@ -190,6 +218,35 @@ class TransformersBackend:
             if progress is not None:
                 progress(len(batch), tokens)
         return replies  # type: ignore[return-value]
+
+    def _generate_refill(self, todo: list[int], prefixes, prompts: list[list[int]], params: SamplingParams,
+                         replies: list[Reply | None], progress: Progress | None) -> None:
+        queue = list(todo)
+        active: list[tuple[int, list[int]]] = []  # (prompt index, tokens generated so far)
+        stops = set(self.stop_ids)
+        rounds = 0
+        while queue or active:
+            while len(active) < self.batch_size and queue:
+                active.append((queue.pop(0), []))
+            budget = max(params.max_new_tokens - len(gen) for _, gen in active)
+            outs = self._generate_static([prompts[i] + gen for i, gen in active],
+                                         replace(params, max_new_tokens=budget),
+                                         derive_seed(params.seed, "batch", rounds), refill=len(queue) > 0)
+            rounds += 1
+            still, answered, tokens = [], 0, 0
+            for (i, gen), out in zip(active, outs, strict=True):
+                out = out[: params.max_new_tokens - len(gen)]
+                cut = next((k for k, t in enumerate(out) if t in stops), None)
+                gen = gen + (out if cut is None else out[: cut + 1])
+                if cut is None and len(gen) < params.max_new_tokens:
+                    still.append((i, gen))  # stopped with the batch: goes on in the next round
+                    continue
+                replies[i] = self._reply(prefixes[i], prompts[i], gen, params)
+                answered += 1
+                tokens += replies[i].new_tokens
+            active = still
+            if progress is not None and answered:
+                progress(answered, tokens)
 
     def _generation_config(self, params: SamplingParams, **extra):
         from transformers import GenerationConfig
@@ -215,7 +272,10 @@ class TransformersBackend:
             torch.manual_seed(seed)
             yield
 
-    def _generate_static(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[int]]:
+    def _generate_static(self, prompts: list[list[int]], params: SamplingParams, seed: int,
+                         refill: bool = False) -> list[list[int]]:
+        """Generated ids per row (after a stop token: padding). refill: the whole batch stops as soon as
+        REFILL_FRACTION of its rows have produced a stop token (the others are then cut where they are)."""
         width = max(len(p) for p in prompts)
         if self.pad_to_multiple_of:
             width = math.ceil(width / self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -233,7 +293,12 @@ class TransformersBackend:
                 self.model._previous_max_cache_length = -1  # keeps the largest: attention over unused slots)
             gqa = grouped_query_decoding(self.model) if self.gqa_decode else contextlib.nullcontext()
             with _clean_generation_config(self.model), self._seeded(params, seed), gqa:
-                return self.model.generate(input_ids=ids, attention_mask=mask,
+                criteria = None
+                if refill and self.stop_ids:
+                    from transformers import StoppingCriteriaList
+
+                    criteria = StoppingCriteriaList([_enough_rows_done(width, self.stop_ids, len(prompts))])
+                return self.model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=criteria,
                                            generation_config=self._generation_config(params, **extra))
 
         if self._static is False:
