@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from dflash.errors import BadInput
+from dflash.errors import BadInput, DiskFull
 from dflash.fileio import fsync_path as _fsync_path
+from dflash.fileio import out_of_space
 from dflash.fileio import sha256_file as _sha256
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,13 @@ class CheckpointManager:
             _fsync_path(self.dir)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
+        except BaseException as exc:
+            full = out_of_space(exc, self.dir)
             shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise DiskFull(f"no space left in {self.dir} while saving checkpoint {final.name} (its partial copy "
+                               "was removed; the earlier checkpoints are intact): free space there, lower "
+                               "checkpoint.keep_last, or move output_dir") from None
             raise
         self._write_latest(final.name)
         self._prune()

@@ -15,3 +15,7 @@ class ConfigError(BadInput):
 
 class DataError(BadInput):
     """A dataset is missing or malformed."""
+
+
+class DiskFull(DflashError):
+    """No space left where the run writes (checkpoints, metrics); the message names the directory. Exit code 1."""

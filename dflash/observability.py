@@ -8,13 +8,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash.fileio import temp_sibling
+from dflash.errors import DiskFull
+from dflash.fileio import NO_SPACE, append_line, temp_sibling
 
 
 def atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    text = json.dumps(data)
     tmp = temp_sibling(path)
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno not in NO_SPACE or not path.is_file():
+            raise
+        # disk full: rewrite the existing small file in place (its blocks are allocated already), so the
+        # heartbeat can still say `failed` instead of a stale `training`
+        with open(path, "r+") as fh:
+            fh.write(text)
+            fh.truncate()
+
+
+def _append_record(path: Path, record: dict[str, Any]) -> None:
+    try:
+        append_line(path, json.dumps(record))
+    except OSError as exc:
+        if exc.errno in NO_SPACE:
+            raise DiskFull(f"no space left in {path.parent} while writing {path.name}: free space there or "
+                           "move output_dir") from None
+        raise
 
 
 class RunObserver:
@@ -56,8 +78,7 @@ class RunObserver:
         if record.get("input_frac") is not None:
             line += f" input {record['input_frac']:.0%}"
         print(line, flush=True)
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps({**record, "time": time.time()}) + "\n")
+        _append_record(self.metrics_path, {**record, "time": time.time()})
         if self._tb is not None:
             step = record["step"]
             for key in ("loss", "tau", "tokens_per_s", "lr", "mem_gib", "mfu", "input_frac"):
@@ -71,8 +92,7 @@ class RunObserver:
         """An eval record: one JSON line (`"kind": "eval"`) in metrics.jsonl and TensorBoard `eval/*` scalars."""
         if not self.enabled:
             return
-        with open(self.metrics_path, "a") as fh:
-            fh.write(json.dumps({"kind": "eval", **record, "time": time.time()}) + "\n")
+        _append_record(self.metrics_path, {"kind": "eval", **record, "time": time.time()})
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):

@@ -755,8 +755,10 @@ def train(config: RunConfig) -> dict[str, Any]:
     trainer.install_signal_handlers()
     try:
         return trainer.run()
-    except BaseException:
-        trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed")
+    except BaseException as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        with contextlib.suppress(OSError):  # a full disk must not hide the error itself
+            trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed", error=reason)
         raise
     finally:
         # the work is done (or failed): a late stop signal must not kill the interpreter mid-shutdown

@@ -440,3 +440,119 @@ def test_sigterm_right_after_start_exits_0_without_traceback(write_config, tiny_
 def test_default_layer_ids_use_pythons_round():
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
     assert default_layer_ids(94, 5) == [1, 24, 46, 68, 91]  # 22.5 and 68.5 round to even, as round()
+
+
+# ------------------------------------------------------------------------------ D1/D2 with a real SIGKILL
+
+# The save runs in a child that SIGKILLs itself at a phase: nothing of Python runs after the signal.
+KILL_AT = r"""
+import os, shutil, signal, sys
+import dflash.checkpoint as ckpt
+from dflash.checkpoint import CheckpointManager
+directory, phase = sys.argv[1], sys.argv[2]
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+m = CheckpointManager(directory, keep_last=2)
+def write(tmp):
+    (tmp / "model.safetensors").write_text("3")
+    (tmp / "trainer_state.pt").write_text("33")
+    if phase == "temp-partial":
+        die()
+if phase == "temp-written":  # complete with its manifest, fsynced, not yet renamed
+    ckpt.os.rename = die
+elif phase == "renamed":  # renamed into place, `latest` not yet updated
+    CheckpointManager._write_latest = die
+elif phase == "pointer-updated":  # `latest` names it, pruning not begun
+    CheckpointManager._prune = die
+elif phase == "pruning":  # the oldest checkpoint half deleted
+    real = shutil.rmtree
+    def rmtree(path, *a, **k):
+        os.unlink(os.path.join(path, "manifest.json"))
+        die()
+    ckpt.shutil.rmtree = rmtree
+m.save(3, write)
+"""
+
+
+@pytest.mark.parametrize("phase, expected", [("temp-partial", 2), ("temp-written", 3), ("renamed", 3),
+                                             ("pointer-updated", 3), ("pruning", 3)])
+def test_sigkill_inside_save_at_each_phase(tmp_path, phase, expected):
+    m = CheckpointManager(tmp_path, keep_last=2)
+    m.save(1, payload("1"))
+    m.save(2, payload("2"))
+    proc = subprocess.run([sys.executable, "-c", KILL_AT, str(tmp_path), phase], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    if phase.startswith("temp"):
+        assert any(n.startswith(".tmp-step-00000003-") for n in leftovers(tmp_path))
+    # the next start: the newest intact checkpoint is resumed, no temp dir survives
+    m2 = CheckpointManager(tmp_path, keep_last=2)
+    m2.recover()
+    assert m2.latest_valid().name == f"step-{expected:08d}"
+    assert leftovers(tmp_path) == []
+    assert (tmp_path / "latest").read_text().strip() == f"step-{expected:08d}"
+    assert all(CheckpointManager.verify(p) is None or p.name == "step-00000001" for p in m2.list())
+
+
+# ------------------------------------------------------------------------------ D9/D10: a full disk
+
+FULL_DISK = r"""
+set -u
+mount -t tmpfs -o size={size} tmpfs "$1"
+cd "$1"
+{python} -m dflash train "$2" > "$3/out.log" 2> "$3/err.log" &
+job=$!
+{fill}
+wait $job
+echo $? > "$3/rc"
+cp -a "$1"/. "$3"/
+"""
+
+
+def _full_disk_run(tmp_path, tiny_dict, size, fill="", **changes):
+    if not shutil.which("unshare") or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a private tmpfs")
+    data = copy.deepcopy(tiny_dict)
+    data["data"].pop("regenerate", None)
+    data["data"]["synthetic"]["num_samples"] = 200
+    data["optim"]["max_steps"] = 200
+    data["logging"]["interval"] = 1
+    data["eval"] = {"speculative_prompts": 0}
+    mnt, copy_dir = tmp_path / "mnt", tmp_path / "after"
+    mnt.mkdir()
+    copy_dir.mkdir()
+    data["output_dir"] = str(mnt / "run")
+    for key, value in changes.items():
+        data.setdefault(key.split(".")[0], {})[key.split(".")[1]] = value
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    script = FULL_DISK.format(size=size, python=sys.executable, fill=fill)
+    subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(mnt), str(cfg),
+                    str(copy_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, timeout=300)  # fmt: skip
+    run = copy_dir / "run"
+    return int((copy_dir / "rc").read_text()), (copy_dir / "err.log").read_text(), run
+
+
+def _assert_clean_failure(rc, err, run, where):
+    assert rc == 1, err
+    assert err.strip().splitlines() == [err.strip().splitlines()[0]] and "Traceback" not in err, err
+    assert err.startswith(f"dflash: error: no space left in {where}"), err
+    beat = json.loads((run / "heartbeat.json").read_text())
+    assert beat["status"] == "failed" and "no space left" in beat["error"], beat
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)  # every line whole: none cut off by the full disk
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_disk_full_while_checkpointing_names_the_directory(tmp_path, tiny_dict):
+    # a checkpoint of the tiny run takes about 1 MB: the first save fills the 600 kB disk
+    rc, err, run = _full_disk_run(tmp_path, tiny_dict, "600k", **{"checkpoint.interval": 3})
+    _assert_clean_failure(rc, err, run, f"{tmp_path / 'mnt' / 'run' / 'checkpoints'} while saving checkpoint step-00000003")
+    assert (run / "checkpoints").is_dir() and not list((run / "checkpoints").glob("step-*"))
+
+
+def test_disk_full_while_logging_keeps_whole_lines_and_a_failed_heartbeat(tmp_path, tiny_dict):
+    # no checkpoint before the disk is filled by another writer while the trainer logs every step
+    fill = ('until grep -q "^step 3 " "$3/out.log" 2>/dev/null; do sleep 0.1; done; '
+            'head -c 100M /dev/zero > filler 2>/dev/null; true')
+    rc, err, run = _full_disk_run(tmp_path, tiny_dict, "2m", fill=fill, **{"checkpoint.interval": 1000})
+    _assert_clean_failure(rc, err, run, f"{tmp_path / 'mnt' / 'run'} while writing metrics.jsonl")
