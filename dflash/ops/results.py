@@ -80,6 +80,12 @@ class ContainerStatus:
     pid: int | None = None
     exit_status: int | None = None
     action: str | None = None  # what dflash_unit did: none, started, restarted, stopped, removed
+    # Self-healing (docs/operations.md): automatic restarts since the launch, watchdog kills among them, how it
+    # last failed, and whether the restarts are exhausted.
+    restarts: int = 0
+    watchdog_kills: int = 0
+    last_exit_reason: str | None = None
+    crash_loop: bool = False
     # Health and the trainer's heartbeat (dflash_health).
     healthy: bool | None = None
     health_state: str | None = None  # dflash_health's state, when it ran
@@ -185,6 +191,9 @@ def _describe(c: ContainerStatus) -> str:
         bits.append(f"checkpoint {c.checkpoint}")
     if c.state in (STOPPED, FAILED, CRASHED, FAILED_TO_START) and c.exit_status is not None:
         bits.append(f"exit status {c.exit_status}")
+    if c.restarts or c.crash_loop:
+        bits.append(f"restarted {c.restarts}x (watchdog {c.watchdog_kills}x), last failure {c.last_exit_reason or '-'}"
+                    + (": crash loop, restarts exhausted" if c.crash_loop else ""))
     if c.hint:
         bits.append(c.hint)
     return ", ".join(bits)
@@ -309,6 +318,10 @@ def _apply_unit_fields(container: ContainerStatus, unit: dict[str, Any]) -> None
     container.sub_state = unit.get("sub_state")
     container.pid = unit.get("main_pid") or None
     container.exit_status = unit.get("exit_status")
+    container.restarts = unit.get("restarts") or 0
+    container.watchdog_kills = unit.get("watchdog_kills") or 0
+    container.last_exit_reason = unit.get("last_exit_reason")
+    container.crash_loop = bool(unit.get("crash_loop"))
 
 
 def _apply_unit(container: ContainerStatus, res: dict[str, Any]) -> None:

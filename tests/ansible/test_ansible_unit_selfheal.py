@@ -132,3 +132,27 @@ def test_a_stop_during_the_restart_delay_ends_it_for_good(daemon):
     backend.stop(spec)
     time.sleep(3.5)
     assert not is_running(backend.status(spec)) and backend.status(spec)["main_pid"] is None
+
+
+def test_the_health_module_and_ops_status_report_restarts_and_the_last_failure(daemon, tmp_path):
+    from ansible.module_utils.dflash_health import check_health
+
+    from dflash.ops.results import ContainerStatus, _apply_unit_fields, _describe
+
+    backend, make = daemon
+    spec = make(LOOP)
+    backend.start(spec)
+    first = wait_for(lambda: backend.status(spec)["main_pid"])
+    os.kill(first, signal.SIGKILL)
+    assert wait_for(lambda: (backend.status(spec)["main_pid"] or first) != first)
+    params = {"name": spec["name"], "log_path": spec["log_path"], "heartbeat_path": str(tmp_path / "heartbeat.json"),
+              "gpu_ids": [], "gpu_min_memory_mib": 1024, "timeout": 0, "progress_window": 1, "poll_interval": 0.05,
+              "log_lines": 5}  # fmt: skip
+    unit = check_health(LocalHost(), params, lambda: {**backend.status(spec), "backend": "daemon"})["unit"]
+    assert unit["restarts"] == 1 and unit["watchdog_kills"] == 0 and unit["last_exit_reason"] == "signal (killed KILL)"
+    container = ContainerStatus(host="c1", state="training")
+    _apply_unit_fields(container, unit)
+    assert container.restarts == 1 and not container.crash_loop
+    assert "restarted 1x (watchdog 0x), last failure signal (killed KILL)" in _describe(container)
+    _apply_unit_fields(container, {**unit, "active_state": "failed", "crash_loop": True, "restarts": 2})
+    assert _describe(container).endswith("crash loop, restarts exhausted")
