@@ -282,7 +282,8 @@ def main():
         module.fail_json(msg=str(exc))
     if not result["healthy"] and params["fail_on_unhealthy"]:
         # The diagnosis already holds the log tail and GPU table: keep the failure output readable.
-        brief = {k: v for k, v in result.items() if k not in ("diagnosis", "log_tail", "gpu_table", "gpus", "gpu_processes", "heartbeat")}
+        brief = {k: v for k, v in result.items()
+                 if k not in ("diagnosis", "failures", "log_tail", "gpu_table", "gpus", "gpu_processes", "heartbeat")}
         module.fail_json(msg=result["diagnosis"], **brief)
     module.exit_json(changed=False, **result)
 

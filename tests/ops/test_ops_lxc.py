@@ -6,7 +6,8 @@ then stopped with exit status 0 (the trainer checkpoints on SIGTERM).
 
 The test never touches the user's deployment (`dflash-local` of inventories/local): it writes an inventory
 for its own container and job (same group_vars), destroys that container at the end, and checks that
-`dflash-local` is in the state it found it.
+`dflash-local` is in the state it found it (container state, and its job's unit state and MainPID: not
+started, stopped or restarted).
 """
 
 from __future__ import annotations
@@ -55,12 +56,19 @@ def _lxc_state(name: str) -> str:
 
 
 def _user_job_fingerprint() -> tuple:
-    """The user's container state and its job's heartbeat (content), as far as they exist."""
+    """The user's container state, its job's unit (state and MainPID: a restart changes it) and, when nothing
+    runs, its heartbeat (content), as far as they exist."""
     heartbeat = Path(f"/var/lib/lxc/{USER_CONTAINER}/rootfs/var/lib/dflash/runs/dflash-tiny/heartbeat.json")
     state = _lxc_state(USER_CONTAINER)
-    # a running job's heartbeat advances by itself: compare its step only when the container is stopped
+    unit = None
+    if state == "RUNNING":
+        proc = subprocess.run(["lxc-attach", "-n", USER_CONTAINER, "--clear-env", "--", "systemctl", "show",
+                               "dflash-tiny.service", "-p", "ActiveState", "-p", "MainPID"],
+                              capture_output=True, text=True)  # fmt: skip
+        unit = proc.stdout.strip()
+    # a running job's heartbeat advances by itself: compare it only when the container is stopped
     beat = heartbeat.read_text() if heartbeat.is_file() and state != "RUNNING" else None
-    return state, beat
+    return state, unit, beat
 
 
 @pytest.fixture
