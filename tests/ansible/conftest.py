@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import ansible.module_utils
@@ -17,6 +18,17 @@ BIN = Path(sys.executable).parent
 
 if str(ROOT / "module_utils") not in ansible.module_utils.__path__:
     ansible.module_utils.__path__.append(str(ROOT / "module_utils"))
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    """predicate()'s first truthy value within `timeout` seconds (its last value otherwise)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
 
 
 def tool(name: str) -> str:

@@ -13,19 +13,9 @@ import time
 import pytest
 from ansible.module_utils.dflash_host import LocalHost
 from ansible.module_utils.dflash_unit import DaemonBackend, ensure, job_processes
-from conftest import ROOT
+from conftest import ROOT, wait_for
 
 LOOP = [sys.executable, "-u", "-c", "import time\nfor i in range(100000):\n    print('step', i, flush=True)\n    time.sleep(0.05)"]
-
-
-def wait_for(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import pytest
 from ansible.module_utils.dflash_host import LocalHost
 from ansible.module_utils.dflash_unit import DaemonBackend, UnitError, ensure, is_running
 from conftest import ROOT
+from conftest import wait_for as conftest_wait_for
 
 # A trainer stand-in that speaks dflash.notify: start-up allowance, READY, a ping per step.
 PINGING = [sys.executable, "-u", "-c", (
@@ -24,13 +25,7 @@ LOOP = [sys.executable, "-u", "-c", "import time\nwhile True:\n    time.sleep(0.
 
 
 def wait_for(predicate, timeout=15.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
+    return conftest_wait_for(predicate, timeout, interval)
 
 
 @pytest.fixture
