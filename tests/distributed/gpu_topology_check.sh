@@ -31,7 +31,7 @@ gpu_sampler() {
   while IFS=', ' read -r i uuid; do index[$uuid]=$i; done < <(nvidia-smi --query-gpu=index,uuid --format=csv,noheader)
   while kill -0 "$pid" 2>/dev/null; do
     nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader 2>/dev/null | while IFS=', ' read -r uuid p; do
-      rank=$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | sed -n 's/^LOCAL_RANK=//p')
+      rank=$({ tr '\0' '\n' <"/proc/$p/environ"; } 2>/dev/null | sed -n 's/^LOCAL_RANK=//p')  # may have ended
       echo "${index[$uuid]:-?}:${rank:--}"
     done >>"$file"
     sleep 0.5
