@@ -3,6 +3,7 @@ sends, and under torchrun the launcher's aggregate, which stops when one rank ha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -110,6 +111,7 @@ def test_a_hung_rank_stops_the_jobs_pings(tmp_path, supervisor):
            "PYTHONPATH": str(ROOT)}  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", str(_tiny(tmp_path))], env=env, cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    ranks: list[int] = []  # torchrun starts its workers in sessions of their own: killed one by one below
     try:
         got = receive(2.0)
         assert got and got[0] == {"WATCHDOG_USEC": "300000000", "STATUS": "loading"}
@@ -120,11 +122,15 @@ def test_a_hung_rank_stops_the_jobs_pings(tmp_path, supervisor):
         assert ready["WATCHDOG_USEC"] == "5000000"
         assert sum(m.get("WATCHDOG") == "1" for m in receive(4.0)) >= 2  # both ranks step: pings
         torchrun = _workers(proc.pid)[0]
-        worker = _workers(torchrun)[0]
+        ranks = _workers(torchrun)
+        worker = ranks[0]
         os.kill(worker, signal.SIGSTOP)
         receive(1.0)  # a ping already on its way
         assert [m for m in receive(5.0) if m.get("WATCHDOG") == "1"] == []  # one hung rank: no ping at all
         assert proc.poll() is None
     finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # the stopped one too: nothing is left behind
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
