@@ -77,7 +77,6 @@ def _ragged_conversations(n: int, lo: int, hi: int, words: int, seed: int = 0):
 BACKEND_VARIANTS = {
     # name: (TransformersBackend keywords, attributes set after construction)
     "default": ({}, {}),  # what `dflash regenerate` runs: compiled on CUDA, widths to 64, cache per batch
-    "grow": ({}, {"tight_cache": False}),  # compiled, every batch on the largest cache seen
     "repeatkv": ({}, {"gqa_decode": False}),  # transformers' sdpa: K/V copied per query head each step
     "eager": ({"compile": False}, {}),
     "pad512": ({"compile": True, "pad_to_multiple_of": 512}, {}),  # the 2026-12-01 call-3 setting
@@ -262,7 +261,7 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--backend-batches", default="64,128,256,384")
-    p.add_argument("--variants", default="default,grow,continuous",
+    p.add_argument("--variants", default="default,repeatkv,continuous",
                    help=f"backend settings measured per batch size: {', '.join(BACKEND_VARIANTS)}")
     p.add_argument("--profile", default=None, metavar="VARIANT",
                    help="profile one short batch of this backend variant (top kernels to profile.txt)")

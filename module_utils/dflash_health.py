@@ -32,7 +32,7 @@ import time
 
 from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, query_gpus
 from ansible.module_utils.dflash_host import read_text, tail_lines
-from ansible.module_utils.dflash_unit import is_running, pid_alive
+from ansible.module_utils.dflash_unit import is_running, pid_alive, proc_stat_fields
 
 INVARIANTS = ("log", "unit", "gpu", "progress")
 TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED = (
@@ -58,16 +58,9 @@ def read_heartbeat(path):
     return data, None
 
 
-def _stat_fields(pid):
-    text = read_text(f"/proc/{int(pid)}/stat")
-    if not text:
-        return None
-    return text[text.rfind(")") + 2 :].split()
-
-
 def process_started_at(pid):
     """Wall-clock start time of a live process (from /proc, against the boot clock), or None."""
-    fields = _stat_fields(pid) if pid else None
+    fields = proc_stat_fields(pid) if pid else None
     if not fields:
         return None
     try:
@@ -86,7 +79,7 @@ def process_tree(main_pid):
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        fields = _stat_fields(name)
+        fields = proc_stat_fields(name)
         if fields and len(fields) > 1 and fields[0] not in ("Z", "X"):
             children.setdefault(int(fields[1]), []).append(int(name))
     tree, todo = set(), [int(main_pid)]
@@ -128,8 +121,6 @@ def observe(host, params, backend_status, wall=None):
     obs["unit"] = unit
     obs["unit_pids"] = sorted(process_tree(unit.get("main_pid"))) if unit["main_pid_alive"] else []
     obs["heartbeat"], obs["heartbeat_error"] = read_heartbeat(params["heartbeat_path"])
-    hb_pid = (obs["heartbeat"] or {}).get("pid")
-    obs["heartbeat_pid_alive"] = pid_alive(hb_pid) if hb_pid else None
     obs["heartbeat_current"], obs["heartbeat_stale_reason"] = heartbeat_is_current(obs)
     obs["checkpoint"], obs["checkpoint_step"] = read_checkpoint(os.path.dirname(params["heartbeat_path"]))
     obs["gpus"], obs["gpu_processes"], obs["gpu_error"], obs["gpu_error_kind"] = [], [], None, None
@@ -414,8 +405,7 @@ def check_health(host, params, status_probe, wall_clock=time.time):
     healthy = not failures
     state = tracker.state
     # Only this launch's heartbeat speaks for the job; a rate is reported only while it trains.
-    hb = obs.get("heartbeat") if obs.get("heartbeat_current") else {}
-    hb = hb or {}
+    hb = (obs.get("heartbeat") if obs.get("heartbeat_current") else None) or {}
     diagnosis = format_diagnosis(params["name"], healthy, failures, obs, log_tail, elapsed, params["log_path"],
                                  tracker.finished, state)  # fmt: skip
     return {

@@ -68,32 +68,31 @@ def build_manifest(src, exclude=()):
     return manifest
 
 
-def _archive_members(archive, exclude=()):
-    """``{relpath: TarInfo}`` of the regular files and symlinks of ``archive`` (refuses unsafe paths)."""
+def _archive_members(tar, archive, exclude=()):
+    """``{relpath: TarInfo}`` of the regular files and symlinks of the open ``tar`` (refuses unsafe paths)."""
     members = {}
-    with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-            rel = os.path.normpath(member.name)
-            if os.path.isabs(rel) or rel == ".." or rel.startswith("../"):
-                raise SyncError(f"archive {archive}: member {member.name!r} points outside the release")
-            if rel == "." or member.isdir():
-                continue
-            if rel == MANIFEST_NAME or is_excluded(rel, exclude):
-                continue
-            if not (member.isfile() or member.issym()):
-                raise SyncError(f"archive {archive}: member {member.name!r} is neither a file nor a symlink")
-            members[rel] = member
+    for member in tar.getmembers():
+        rel = os.path.normpath(member.name)
+        if os.path.isabs(rel) or rel == ".." or rel.startswith("../"):
+            raise SyncError(f"archive {archive}: member {member.name!r} points outside the release")
+        if rel == "." or member.isdir():
+            continue
+        if rel == MANIFEST_NAME or is_excluded(rel, exclude):
+            continue
+        if not (member.isfile() or member.issym()):
+            raise SyncError(f"archive {archive}: member {member.name!r} is neither a file nor a symlink")
+        members[rel] = member
     return members
 
 
 def build_archive_manifest(archive, exclude=()):
-    """The manifest of the tree a tar archive holds, computed without unpacking it."""
+    """The manifest of the tree a tar archive holds, computed without unpacking it, and its members."""
     if not os.path.isfile(archive):
         raise SyncError(f"archive {archive!r} does not exist: copy the source tarball there first")
     try:
-        members = _archive_members(archive, exclude)
         manifest = {}
         with tarfile.open(archive) as tar:
+            members = _archive_members(tar, archive, exclude)
             for rel, member in sorted(members.items()):
                 if member.issym():
                     manifest[rel] = {"sha256": "link:" + member.linkname, "mode": "link"}
@@ -144,9 +143,11 @@ def release_manifest(release_dir):
     return release_dir, (data or {}).get("files")
 
 
-def _copy_tree(src, dest_dir, manifest, archive=None):
+def _copy_tree(src, dest_dir, manifest, archive=None, members=None):
+    """Copy the manifest's files from ``src`` or from ``archive`` (its ``members``, as listed when the
+    manifest was built)."""
     tar = tarfile.open(archive) if archive else None
-    members = _archive_members(archive) if archive else {}
+    members = members or {}
     try:
         for rel, entry in sorted(manifest.items()):
             _copy_entry(src, tar, members.get(rel), rel, entry, dest_dir)
@@ -223,7 +224,11 @@ def sync(src, dest, exclude=(), keep=3, check_mode=False, archive=None, publish=
         raise SyncError(f"keep={keep}: at least the current release must be kept (keep >= 1)")
     if (src is None) == (archive is None):
         raise SyncError("give exactly one of src (a directory) and archive (a tar file)")
-    manifest = build_archive_manifest(archive, exclude)[0] if archive else build_manifest(src, exclude)
+    members = None
+    if archive:
+        manifest, members = build_archive_manifest(archive, exclude)
+    else:
+        manifest = build_manifest(src, exclude)
     digest = manifest_hash(manifest)
     release_id = digest[:RELEASE_ID_LENGTH]
     releases_dir = os.path.join(dest, "releases")
@@ -264,7 +269,7 @@ def sync(src, dest, exclude=(), keep=3, check_mode=False, archive=None, publish=
         tmp_dir = os.path.join(releases_dir, f".tmp-{release_id}-{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp_dir, mode=0o755)
         try:
-            _copy_tree(src, tmp_dir, manifest, archive)
+            _copy_tree(src, tmp_dir, manifest, archive, members)
             with open(os.path.join(tmp_dir, MANIFEST_NAME), "w", encoding="utf-8") as handle:
                 json.dump({"manifest_hash": digest, "files": manifest}, handle, sort_keys=True, indent=1)
                 handle.flush()

@@ -100,6 +100,15 @@ def check_root_owned(path):
         current = parent
 
 
+def remove_files(directory, names):
+    """Remove these files of ``directory`` where they exist (the records of an earlier launch)."""
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+
+
 def make_state_dir(path):
     check_root_owned(path)
     os.makedirs(path, mode=0o700, exist_ok=True)
@@ -422,9 +431,7 @@ class SystemdBackend:
             os.makedirs(log_dir, exist_ok=True)
         state_dir = spec["state_dir"]
         make_state_dir(state_dir)
-        for stale in ("exit_status", "events", "reason.env"):
-            if os.path.exists(os.path.join(state_dir, stale)):
-                os.unlink(os.path.join(state_dir, stale))
+        remove_files(state_dir, ("exit_status", "events", "reason.env"))
         self.host.atomic_write(os.path.join(state_dir, "environment"), environment_file_text(unit_environment(spec)), mode=0o600)
         hook = os.path.join(HOOK_UNIT_DIR, hook_unit_name(spec["name"]))
         if spec.get("on_failure"):
@@ -499,12 +506,19 @@ def write_exit_status(host, state_dir, value):
     host.atomic_write(os.path.join(state_dir, "exit_status"), f"{int(value)}\n")
 
 
-def proc_stat(pid):
-    """(state, pgrp, starttime) of a live /proc entry, or None."""
+def proc_stat_fields(pid):
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp, ...), or None."""
     text = read_text(f"/proc/{int(pid)}/stat")
     if not text:
         return None
-    fields = text[text.rfind(")") + 2 :].split()
+    return text[text.rfind(")") + 2 :].split()
+
+
+def proc_stat(pid):
+    """(state, pgrp, starttime) of a live /proc entry, or None."""
+    fields = proc_stat_fields(pid)
+    if not fields:
+        return None
     try:
         return fields[0], int(fields[2]), int(fields[19])
     except (IndexError, ValueError):
@@ -655,9 +669,7 @@ class DaemonBackend:
         log_dir = os.path.dirname(spec["log_path"])
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        for stale in ("exit_status", "events", "reason.env", "stopping", "failed"):
-            if os.path.exists(os.path.join(state_dir, stale)):
-                os.unlink(os.path.join(state_dir, stale))
+        remove_files(state_dir, ("exit_status", "events", "reason.env", "stopping", "failed"))
         token = uuid.uuid4().hex
         env = build_daemon_environment(spec, pw)
         workdir = spec.get("working_directory") or pw.pw_dir or "/"

@@ -4,6 +4,10 @@ import copy
 from pathlib import Path
 
 import pytest
+
+# Imported before any test imports ansible into this process: ansible's sys.intern patch makes a later
+# first import of torch._dynamo fail ("substitute_in_graph expects a function"), whatever the test order.
+import torch._dynamo  # noqa: F401
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]

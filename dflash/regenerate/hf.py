@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import logging
@@ -155,7 +156,6 @@ class TransformersBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.max_positions = getattr(text_config, "max_position_embeddings", None)
         self._static: bool | None = None  # static KV cache works with this model (None: not tried yet)
-        self.tight_cache = True  # False: every batch reuses the largest cache length seen (fewer shapes)
         self.gqa_decode = True  # decode steps of grouped-query sdpa attention without copying K/V per head
         self._warned_roundtrip = False
 
@@ -221,13 +221,12 @@ class TransformersBackend:
 
     def _generate_refill(self, todo: list[int], prefixes, prompts: list[list[int]], params: SamplingParams,
                          replies: list[Reply | None], progress: Progress | None) -> None:
-        queue = list(todo)
+        queue = collections.deque(todo)
         active: list[tuple[int, list[int]]] = []  # (prompt index, tokens generated so far)
-        stops = set(self.stop_ids)
         rounds = 0
         while queue or active:
             while len(active) < self.batch_size and queue:
-                active.append((queue.pop(0), []))
+                active.append((queue.popleft(), []))
             budget = max(params.max_new_tokens - len(gen) for _, gen in active)
             outs = self._generate_static([prompts[i] + gen for i, gen in active],
                                          replace(params, max_new_tokens=budget),
@@ -236,7 +235,7 @@ class TransformersBackend:
             still, answered, tokens = [], 0, 0
             for (i, gen), out in zip(active, outs, strict=True):
                 out = out[: params.max_new_tokens - len(gen)]
-                cut = next((k for k, t in enumerate(out) if t in stops), None)
+                cut = self._stop_index(out)
                 gen = gen + (out if cut is None else out[: cut + 1])
                 if cut is None and len(gen) < params.max_new_tokens:
                     still.append((i, gen))  # stopped with the batch: goes on in the next round
@@ -289,8 +288,8 @@ class TransformersBackend:
 
         def run(static: bool):
             extra = {"cache_implementation": "static", "max_cache_len": cache_len} if static else {}
-            if static and self.tight_cache:  # size this batch's cache for this batch (transformers otherwise
-                self.model._previous_max_cache_length = -1  # keeps the largest: attention over unused slots)
+            if static:  # size this batch's cache for this batch (transformers otherwise keeps the largest:
+                self.model._previous_max_cache_length = -1  # attention over unused slots)
             gqa = grouped_query_decoding(self.model) if self.gqa_decode else contextlib.nullcontext()
             with _clean_generation_config(self.model), self._seeded(params, seed), gqa:
                 criteria = None
@@ -345,10 +344,14 @@ class TransformersBackend:
         return [list(o.generated_tokens) for o in outs]
 
     # --------------------------------------------------------------------------------------- decode
+    def _stop_index(self, tokens: list[int]) -> int | None:
+        """Position of the first stop token, or None."""
+        stops = set(self.stop_ids)
+        return next((k for k, t in enumerate(tokens) if t in stops), None)
+
     def _reply(self, prefix: list[dict[str, str]], prompt: list[int], gen: list[int],
                params: SamplingParams) -> Reply:
-        stops = set(self.stop_ids)
-        cut = next((k for k, t in enumerate(gen) if t in stops), None)
+        cut = self._stop_index(gen)
         content = gen if cut is None else gen[:cut]
         content = content[:params.max_new_tokens]
         new_tokens = len(content) if cut is None else cut + 1
