@@ -321,6 +321,12 @@ def test_missing_input_and_bad_options_exit_2(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [inp]
 
 
+def test_an_unknown_batching_mode_is_refused_naming_the_modes(target):
+    model, tok = target
+    with pytest.raises(BadInput, match="batching must be one of static, refill, continuous, got 'paged'"):
+        TransformersBackend(model, tok, batching="paged")
+
+
 def test_cli_output_manifest_and_sharded_ranks(tmp_path, monkeypatch, capsys, target):
     model, tok = target
     convs = conversations()
