@@ -86,14 +86,19 @@ def timed(fn, warmup=2, iters=5) -> float:
 
 
 def peak_mem_gib(fn) -> float:
+    """Peak memory of the whole process during `fn` (weights, gradients, optimizer state, activations:
+    `max_memory_allocated`, the basis other trainers report), in GiB."""
     if not torch.cuda.is_available():
         return 0.0
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     fn()
     sync()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def resident_gib() -> float:
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
 def device() -> torch.device:
@@ -157,10 +162,34 @@ def sec_features(args):
     t_hooks = timed(hooks, 1, 3 if not args.tiny else 2)
     m_hooks = peak_mem_gib(hooks)
     toks = batch * seq
-    record("features", {"model": "Qwen3-8B-shaped" if not args.tiny else "tiny", "batch": batch, "seq": seq,
-                        "tapped": ids_tap, "plain_tok_s": toks / t_plain, "hooks_tok_s": toks / t_hooks,
-                        "speedup": t_plain / t_hooks, "plain_peak_gib": m_plain, "hooks_peak_gib": m_hooks,
-                        "rel_err_vs_hidden_states": rel})
+    out = {"model": "Qwen3-8B-shaped" if not args.tiny else "tiny", "batch": batch, "seq": seq,
+           "tapped": ids_tap, "plain_tok_s": toks / t_plain, "hooks_tok_s": toks / t_hooks,
+           "speedup": t_plain / t_hooks, "plain_peak_gib": m_plain, "hooks_peak_gib": m_hooks,
+           "rel_err_vs_hidden_states": rel, "compiled": {}}
+    record("features", out)
+    eager = hooks()
+    # the trainer's compiled target (compile.target): each decoder layer compiled, hooks eager
+    from dflash.compile import compile_target_layers
+
+    for mode in [m for m in args.target_modes.split(",") if m]:
+        target.__dict__.pop("features", None)  # back to the eager method before the next mode
+        torch._dynamo.reset()
+        guard = compile_target_layers(target, mode)
+        t0 = time.perf_counter()
+        feats = target.features(ids, mask)
+        sync()
+        first = time.perf_counter() - t0
+        t_c = timed(lambda: target.features(ids, mask), 1, 3 if not args.tiny else 2)
+        row = {"first_call_s": first, "tok_s": toks / t_c, "speedup_vs_plain": t_plain / t_c,
+               "speedup_vs_eager_hooks": t_hooks / t_c, "fell_back": guard.failed,
+               "rel_err_vs_eager_hooks": float((feats.float() - eager.float()).norm() / eager.float().norm()),
+               "max_abs_err_vs_eager_hooks": float((feats.float() - eager.float()).abs().max()),
+               "peak_gib": peak_mem_gib(lambda: target.features(ids, mask))}
+        out["compiled"][mode] = row
+        print(f"  target compiled ({mode}): {row}", flush=True)
+        record("features", out)
+        del feats
+    target.__dict__.pop("features", None)
 
 
 def _drafter_setup(args):
@@ -234,7 +263,8 @@ def kernel_breakdown(fn, steps=2) -> dict:
 def sec_compile(args):
     """Cold compile cost of each compiled piece at the drafter's training shape, in the order a fresh process
     meets them (run it first, on an empty inductor cache, to see what a first start pays)."""
-    from dflash.loss import _ce_rows_kernel
+    from dflash.compile import CompilePlan, configure
+    from dflash.loss import ce_rows_kernel
     from dflash.models.attention import compiled_flex_attention, flex_block_mask
 
     arch, _drafter, _embed, _head, _feats, blocks, seq = _drafter_setup(args)
@@ -267,7 +297,8 @@ def sec_compile(args):
     logits = torch.randn(min(n, 4096), arch.vocab_size, device=dev, dtype=torch.bfloat16)
     labels = torch.randint(0, arch.vocab_size, (logits.shape[0],), device=dev)
     w = torch.rand(logits.shape[0], device=dev)
-    ce = _ce_rows_kernel(dev)
+    configure(CompilePlan(loss=True, flex=True))
+    ce = ce_rows_kernel(dev)
     out["ce_rows_first_s"], out["ce_rows_next_s"] = first_and_next(lambda: ce(logits, labels, w))
     out["ce_rows_other_length_s"], _ = first_and_next(lambda: ce(logits[:1000], labels[:1000], w[:1000]))
     record("compile", out)
@@ -276,7 +307,7 @@ def sec_compile(args):
 def sec_drafter(args):
     import copy
 
-    import dflash.loss
+    from dflash.compile import CompilePlan, configure
     from dflash.flops import drafter_step_flops
     from dflash.loss import weighted_block_loss
     from dflash.models.attention import compiled_flex_attention
@@ -293,11 +324,14 @@ def sec_drafter(args):
     # (name, attention, compilation: None | "forward" (whole drafter.forward, as drafter.compile does) |
     # "layers" (each layer; mask, RoPE and fc eager), loss implementation). Every "fusedce" variant runs the
     # loss's per-chunk softmax compiled (`dflash.loss.ce_rows`); "+eagerce" runs it eagerly (the baseline).
+    # "autotune" compiles the forward with mode="max-autotune-no-cudagraphs" (compile.drafter_mode): inductor
+    # then autotunes the GEMM epilogues and flex attention's forward and backward tiles.
     variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("flex", "flex", None, "checkpoint"),
                 ("flex+compile", "flex", "forward", "checkpoint"), ("flex+fusedce", "flex", None, "fused"),
                 ("flex+compile+fusedce", "flex", "forward", "fused"),
                 ("flex+compile+fusedce+eagerce", "flex", "forward", "fused"),
-                ("flex+layercompile+fusedce", "flex", "layers", "fused")]
+                ("flex+layercompile+fusedce", "flex", "layers", "fused"),
+                ("flex+autotune+fusedce", "flex", "autotune", "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
@@ -311,13 +345,15 @@ def sec_drafter(args):
         if compile_mode == "layers":
             for layer in model.layers:
                 layer.compile()
+        if compile_mode == "autotune":
+            return model, torch.compile(model.forward, mode="max-autotune-no-cudagraphs")
         return model, (torch.compile(model.forward) if compile_mode == "forward" else model.forward)
 
     def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False):
         flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
 
         def step():
-            dflash.loss.COMPILE_CE_ROWS = not eager_ce
+            configure(CompilePlan(loss=not eager_ce, flex=True))
             model.zero_grad(set_to_none=True)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
@@ -345,11 +381,13 @@ def sec_drafter(args):
             step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"))
             loss = step()
             t = timed(step, 2, 5)
+            resident = resident_gib()  # weights, gradients and optimizer state after a step
             mem = peak_mem_gib(step)
             out["variants"][name] |= {"step_s": t, "tokens_per_s": seq / t,
                                      "blocks_per_s": int(blocks.anchor_valid.sum()) / t,
                                      "tflops": flops.training / t / 1e12, "mfu": flops.training / t / peak,
-                                     "peak_gib": mem, "loss": float(loss.detach())}
+                                     "peak_gib": mem, "resident_gib": resident,
+                                     "peak_above_resident_gib": mem - resident, "loss": float(loss.detach())}
             if dev.type == "cuda" and name in args.profile.split(","):
                 out["variants"][name]["profile"] = kernel_breakdown(step)
             del opt, model, fwd, step
@@ -527,6 +565,8 @@ def main() -> int:
     p.add_argument("--label", default="")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--feat-batch", type=int, default=4)
+    p.add_argument("--target-modes", default="max-autotune-no-cudagraphs,default",
+                   help="torch.compile modes of the compiled-target rows of the features section ('' = none)")
     p.add_argument("--hybrid-batch", type=int, default=2)
     p.add_argument("--budgets", default="3072,6144,12288,24576")
     p.add_argument("--e2e-steps", type=int, default=12)

@@ -43,7 +43,6 @@ class DrafterConfig:
     num_anchors: int = 512
     mask_token_id: int | None = None  # default: tokenizer's mask/pad token
     attention: Literal["auto", "flex", "sdpa"] = "auto"
-    compile: bool = False
     loss_chunk_size: int = 4096  # rows of LM-head logits materialised at a time
     loss_impl: Literal["checkpoint", "fused"] = "fused"  # fused: row gradients in the forward, no recompute
     init_from: str | None = None  # a drafter directory (export layout) to start from
@@ -126,6 +125,20 @@ class EvalConfig:
 
 
 @dataclass
+class CompileConfig:
+    """`torch.compile` of each piece; null = on when the run is on CUDA (tested equal to eager there), off on
+    the CPU. A piece whose compilation fails runs eagerly, with one log line saying so."""
+
+    target: bool | None = None  # each decoder layer of the frozen target (dense and hybrid)
+    drafter: bool | None = None  # the drafter's whole forward (its BlockMask stays eager)
+    flex: bool | None = None  # flex_attention (eager flex_attention is a slow reference path)
+    loss: bool | None = None  # the fused loss's per-chunk softmax / CE / gradient
+    target_mode: str = "max-autotune-no-cudagraphs"  # torch.compile mode of the target's layers
+    drafter_mode: str = "default"  # torch.compile mode of the drafter forward and of flex_attention
+    cache_dir: str | None = None  # inductor/Triton kernel cache; default OUTPUT_DIR/compile-cache (kept across restarts)
+
+
+@dataclass
 class TopologyConfig:
     mode: Literal["colocated", "disaggregated"] = "colocated"
     nproc: int = 1  # ranks on this node (colocated)
@@ -161,6 +174,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
@@ -169,6 +183,13 @@ class RunConfig:
 
 
 # ----------------------------------------------------------------------------------------------- loading
+
+
+# Keys of earlier versions that now live elsewhere: the error names the new home.
+MOVED_KEYS = {
+    "drafter.compile": "set compile.drafter (true, false, or null = on CUDA); the compile section also holds "
+                       "compile.target, compile.flex and compile.loss",
+}
 
 
 def _type_name(tp: Any) -> str:
@@ -254,6 +275,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
+        if full in MOVED_KEYS:
+            raise ConfigError(f"config key '{full}' has moved: {MOVED_KEYS[full]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{(prefix + '.') if prefix else ''}{close[0]}'?" if close else ""

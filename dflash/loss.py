@@ -95,16 +95,18 @@ def ce_rows(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
 
 
 _COMPILED_CE_ROWS = None
-COMPILE_CE_ROWS = True  # CUDA: run `ce_rows` compiled (benchmarks set False to measure the eager baseline)
 
 
-def _ce_rows_kernel(device: torch.device):
-    """`ce_rows` compiled once per process on CUDA; eager elsewhere (CPU tests need no compiler)."""
+def ce_rows_kernel(device: torch.device):
+    """`ce_rows` compiled once per process when the compile plan says so (`compile.loss`; default: on CUDA),
+    guarded by the eager fallback; eager otherwise."""
     global _COMPILED_CE_ROWS
-    if device.type != "cuda" or not COMPILE_CE_ROWS:
+    from dflash.compile import EagerFallback, active
+
+    if not active(device).loss:
         return ce_rows
     if _COMPILED_CE_ROWS is None:
-        _COMPILED_CE_ROWS = compile_ce_rows()
+        _COMPILED_CE_ROWS = EagerFallback("loss", compile_ce_rows(), ce_rows)
     return _COMPILED_CE_ROWS
 
 
@@ -134,7 +136,7 @@ class _FusedHeadCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
         hits = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
         head = weight.to(compute_dtype)
-        kernel = _ce_rows_kernel(rows.device)
+        kernel = ce_rows_kernel(rows.device)
         for start in range(0, rows.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
             part, hits[sl], grad_logits = kernel(rows[sl].to(compute_dtype) @ head.t(), labels[sl], w[sl])

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dflash.checkpoint import CheckpointManager, ensure_writable, load_trainer_state, save_trainer_state
+from dflash.compile import compile_drafter, compile_target_layers, configure_for_run
 from dflash.config import RunConfig, default_gamma, resolved_layer_ids
 from dflash.data.buckets import Batch, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet, load_tokenized, tokenize_conversations
@@ -252,11 +253,15 @@ class Trainer:
         self.device = self._device or pick_device(c.runtime.device)
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
         self.observer.heartbeat(0, 0, "starting")
+        self.compile_plan, compile_line = configure_for_run(c.compile, c.output_dir, self.device)
+        self.observer.event(compile_line)
         if with_drafter:
             self._resume_from = self._resume_candidate()  # before any model loads: damaged ones stop us here
         self.tokenizer = load_tokenizer(c)
         self.target = self._load_target() if with_target else None
         self.train_set, self.eval_set = load_datasets(c, self.tokenizer, self.target)
+        if self.target is not None and self.compile_plan.target:  # after regeneration: it decodes eagerly
+            compile_target_layers(self.target, self.compile_plan.target_mode)
         if self.target is not None:
             check_token_range(self.train_set, self.target.vocab_size)
         self.observer.event(f"data: {len(self.train_set)} training samples ({self.train_set.dropped_few_loss_tokens} "
@@ -337,9 +342,10 @@ class Trainer:
         self.drafter.to(self.device)
         self.gamma = c.drafter.gamma or default_gamma(c.drafter.block_size)
         self.attention_kind = resolve_kind(c.drafter.attention, self.device)
-        self._flex = compiled_flex_attention() if (self.attention_kind == "flex" and self.device.type == "cuda") else None
-        if c.drafter.compile:  # in place, the whole forward (measured faster than per layer); BlockMask eager
-            self.drafter.compile()
+        plan = self.compile_plan
+        self._flex = compiled_flex_attention(plan.drafter_mode) if (self.attention_kind == "flex" and plan.flex) else None
+        if plan.drafter:  # the whole forward (measured faster than per layer); the BlockMask stays eager
+            compile_drafter(self.drafter, plan.drafter_mode)
 
     def _build_optimizer(self) -> None:
         o = self.config.optim

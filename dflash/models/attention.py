@@ -94,17 +94,20 @@ class AttentionBackend:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
 
 
-_COMPILED_FLEX = None
+_COMPILED_FLEX: dict[str, object] = {}
 
 
-def compiled_flex_attention():
-    """flex_attention compiled once per process (one process per GPU: no cross-thread FX tracing)."""
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
+def compiled_flex_attention(mode: str = "default"):
+    """flex_attention compiled once per process and mode (one process per GPU: no cross-thread FX tracing),
+    guarded by the eager fallback (eager flex_attention is the slow reference path)."""
+    if mode not in _COMPILED_FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+        from dflash.compile import EagerFallback
+
+        compiled = torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
+        _COMPILED_FLEX[mode] = EagerFallback("flex", compiled, flex_attention)
+    return _COMPILED_FLEX[mode]
 
 
 def resolve_kind(requested: str, device: torch.device) -> str:

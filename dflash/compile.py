@@ -1,0 +1,227 @@
+"""`torch.compile` applied from the outside, as the `compile:` config section says, with an eager fallback.
+
+One plan per process (`configure`, from the run config at start-up): the target's decoder layers, the
+drafter's forward, flex_attention and the loss's per-chunk softmax each compiled or not. A piece whose
+compilation fails runs eagerly from then on, with one log line naming it and the error: a run is never lost
+to a compiler problem, and its numbers say which path ran.
+
+The inductor/Triton kernel cache lives in the job's run directory (`use_kernel_cache`), in a folder keyed by
+torch, Triton and the GPU, so a restart or an upgrade of dflash reuses the kernels a previous start compiled,
+and a torch, Triton or GPU change starts a clean folder (the stale ones are removed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What runs compiled in this process (resolved: no 'auto' left)."""
+
+    target: bool = False
+    drafter: bool = False
+    flex: bool = False
+    loss: bool = False
+    target_mode: str = "max-autotune-no-cudagraphs"
+    drafter_mode: str = "default"
+
+
+def resolve(section: Any, device: torch.device) -> CompilePlan:
+    """The plan for `section` (a `CompileConfig`) on `device`: unset pieces are on exactly on CUDA."""
+    on_cuda = torch.device(device).type == "cuda"
+
+    def pick(value: bool | None) -> bool:
+        return on_cuda if value is None else bool(value)
+
+    return CompilePlan(target=pick(section.target), drafter=pick(section.drafter), flex=pick(section.flex),
+                       loss=pick(section.loss), target_mode=section.target_mode, drafter_mode=section.drafter_mode)
+
+
+_PLAN: CompilePlan | None = None
+
+
+def configure(plan: CompilePlan) -> CompilePlan:
+    """Make `plan` the process's plan (the trainer does this once, from its config)."""
+    global _PLAN
+    _PLAN = plan
+    return plan
+
+
+def active(device: torch.device | str | None = None) -> CompilePlan:
+    """The process's plan; before `configure`, the default plan for `device` (compiled on CUDA)."""
+    if _PLAN is not None:
+        return _PLAN
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    return CompilePlan(target=on_cuda, drafter=on_cuda, flex=on_cuda, loss=on_cuda)
+
+
+# --------------------------------------------------------------------------------------------- fallback
+def is_compile_error(exc: BaseException) -> bool:
+    """An error of the compiler stack (dynamo, inductor, Triton), not of the computation itself."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    if isinstance(exc, TorchDynamoException):
+        return True
+    module = type(exc).__module__ or ""
+    return module.startswith(("torch._inductor", "triton"))
+
+
+class EagerFallback:
+    """Calls `compiled`; the first compiler error logs one line, runs `undo` and retries eagerly for good.
+
+    An error that is not the compiler's propagates unchanged (it would happen eagerly too)."""
+
+    def __init__(self, name: str, compiled: Callable, eager: Callable, undo: Callable[[], None] | None = None):
+        self.name, self.compiled, self.eager, self.undo = name, compiled, eager, undo
+        self.failed: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # traced inside an outer compiled graph: that graph's guard decides
+            return self.compiled(*args, **kwargs)
+        if self.failed is not None:
+            return self.eager(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as exc:
+            if not is_compile_error(exc):
+                raise
+            self.failed = _one_line(exc)
+            log.warning("compile: %s could not be compiled (%s); it runs eagerly (slower). Set compile.%s=false "
+                        "to skip the attempt", self.name, self.failed, self.name.split()[0])
+            if self.undo is not None:
+                self.undo()
+            return self.eager(*args, **kwargs)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])  # "backend raised:" + cause
+    text = f"{type(exc).__name__}: {' '.join(first.split())}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _compile_forward(module: nn.Module, mode: str, backend: str | Callable) -> Callable:
+    """`module.forward` replaced by a compiled one (hooks stay eager, outside the graph); returns the undo."""
+    own = module.__dict__.get("forward")  # an instance-level forward set earlier, restored by the undo
+    eager = module.forward
+    module.forward = torch.compile(eager, mode=None if mode == "default" else mode, backend=backend)
+
+    def undo() -> None:
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = own
+    return undo
+
+
+def _allow_recompiles(n: int) -> None:
+    """The layers of one model share one code object; a layer whose guards differ (say a per-layer int)
+    compiles its own graph. Allow one per layer, so none falls back to eager silently at dynamo's limit."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), n + 8))
+
+
+def compile_target_layers(target: Any, mode: str, backend: str | Callable = "inductor") -> EagerFallback:
+    """Each decoder layer of a `Target` compiled for its `features` calls (the forward hooks stay eager);
+    other uses of the model (the eval's decoding, regeneration) keep the eager layers.
+
+    Returns the guard now installed as `target.features`: on a compiler error every layer goes back to
+    eager and the same call is answered eagerly."""
+    layers = list(target.layers)
+    _allow_recompiles(len(layers))
+    compiled = [torch.compile(layer.forward, mode=None if mode == "default" else mode, backend=backend)
+                for layer in layers]
+    eager_features = target.features
+
+    def compiled_features(*args, **kwargs):
+        for layer, forward in zip(layers, compiled, strict=True):
+            layer.forward = forward
+        try:
+            return eager_features(*args, **kwargs)
+        finally:
+            for layer in layers:
+                layer.__dict__.pop("forward", None)
+
+    guard = EagerFallback("target (its decoder layers)", compiled_features, eager_features)
+    target.features = guard
+    return guard
+
+
+def compile_drafter(drafter: nn.Module, mode: str, backend: str | Callable = "inductor") -> EagerFallback:
+    """The drafter's whole forward compiled (measured faster than per layer), guarded as above."""
+    eager = drafter.forward
+    undo = _compile_forward(drafter, mode, backend)
+    guard = EagerFallback("drafter", drafter.forward, eager, undo)
+    drafter.forward = guard
+    return guard
+
+
+# ----------------------------------------------------------------------------------------- kernel cache
+def cache_key(device: torch.device) -> str:
+    """torch, Triton and GPU: kernels compiled under one key are valid for exactly that key."""
+    parts = [f"torch-{torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton-{triton.__version__}")
+    except ImportError:
+        parts.append("triton-none")
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        parts.append(f"{torch.cuda.get_device_name(index)}-sm{major}{minor}")
+        parts.append(f"cuda-{torch.version.cuda}")
+    else:
+        parts.append("cpu")
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
+
+
+def use_kernel_cache(cache_root: str | os.PathLike, device: torch.device) -> Path:
+    """Point inductor and Triton at `cache_root/<cache_key>` (made if missing); other keys' folders go.
+
+    An inductor cache directory set in the environment by the operator wins (and is returned)."""
+    from torch._inductor.runtime.runtime_utils import default_cache_dir
+
+    preset = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if preset and os.path.abspath(preset) != os.path.abspath(default_cache_dir()) and not os.environ.get(
+            "DFLASH_KERNEL_CACHE"):
+        return Path(preset)
+    root = Path(cache_root)
+    key = cache_key(device)
+    here = root / key
+    (here / "inductor").mkdir(parents=True, exist_ok=True)
+    (here / "triton").mkdir(parents=True, exist_ok=True)
+    for stale in root.iterdir():
+        if stale.is_dir() and stale.name.startswith("torch-") and stale.name != key:
+            shutil.rmtree(stale, ignore_errors=True)  # a torch/Triton/GPU change: those kernels never load again
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(here / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(here / "triton")
+    os.environ["DFLASH_KERNEL_CACHE"] = str(here)  # ours (child processes inherit it): not the operator's
+    return here
+
+
+def configure_for_run(section: Any, output_dir: str | os.PathLike, device: torch.device) -> tuple[CompilePlan, str]:
+    """Start-up of a training process: the plan from the config, the kernel cache when anything compiles,
+    and one line that says both (for the run's log)."""
+    plan = configure(resolve(section, device))
+    pieces = [name for name in ("target", "drafter", "flex", "loss") if getattr(plan, name)]
+    if not pieces:
+        return plan, "compile: nothing compiled (eager)"
+    where = use_kernel_cache(section.cache_dir or Path(output_dir) / "compile-cache", device)
+    return plan, f"compile: {', '.join(pieces)} compiled; kernel cache {where}"
