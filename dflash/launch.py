@@ -48,28 +48,12 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-class SignalLatch:
-    """Remembers a stop signal that arrives while a worker is still importing and loading; the rank's own
-    handler takes it over (`seen`) when it is installed, so an early SIGTERM stops the job cleanly."""
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def __call__(self, _signum, _frame) -> None:
-        self.seen = True
-
-
-def _latch_signals() -> SignalLatch:
-    latch = SignalLatch()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, latch)
-    return latch
-
-
 def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> int:
     # first of all (torch imports take a second): a stop while this process starts up starts nothing, or
-    # stops the trainer cleanly before its first step (its handler takes the latch over: `seen`)
-    latch = _latch_signals()
+    # stops the trainer cleanly before its first step (dflash/stop.py: its handler takes the request over)
+    from dflash import stop
+
+    stop.install()
     from dflash.notify import Notifier
 
     Notifier().loading()  # the supervisor's watchdog: the start-up allowance while the target loads
@@ -82,13 +66,13 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
     if plan.world_size == 1:
         from dflash.train import train
 
-        _print_done(train(config))  # the trainer's handler takes the latch over (`seen`)
+        _print_done(train(config))
         return 0
     from dflash.distributed.topology import check_devices, check_target_fits
 
     check_devices(config, plan)  # exit 2 before any process starts
     check_target_fits(config, plan)
-    if latch.seen:
+    if stop.requested():
         print("dflash: stopped by a signal before the ranks were started", flush=True)
         return 0
     return launch_torchrun(config, config_path, overrides, plan)
@@ -135,8 +119,14 @@ def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], 
     if top.nnodes == 1:
         cmd += ["--standalone"]  # a free local port: no clash with other jobs on this machine
     else:
-        cmd += ["--nnodes", str(top.nnodes), "--node-rank", str(top.node_rank), "--master-addr", top.master_addr,
-                "--master-port", str(top.master_port)]
+        # the c10d TCP store on node 0 at master_addr:master_port, keyed by the run id; the static handler
+        # keeps the nodes' ranks as given (c10d's dynamic one orders them by hostname), so rank 0 and the
+        # reporter stay on node 0; every node waits for all the others up to timeout_s
+        from dflash.multinode import run_id
+
+        cmd += ["--nnodes", str(top.nnodes), "--node-rank", str(top.node_rank), "--rdzv-backend", "static",
+                "--rdzv-endpoint", f"{top.master_addr}:{top.master_port}", "--rdzv-id", run_id(),
+                "--rdzv-conf", f"timeout={top.timeout_s}"]
     return [*cmd, "-m", "dflash", "train", str(Path(config_path).resolve()), *overrides]
 
 
@@ -168,11 +158,13 @@ def _catches(pid: int, signum: int) -> bool:
 
 
 def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], plan) -> int:
+    from dflash import stop as signals
+
     cmd = torchrun_command(config, config_path, overrides, plan.nproc_per_node)
     grace = config.topology.timeout_s  # after SIGTERM: time for the ranks to agree, checkpoint and exit
     stop: dict = {}  # signum, at, signalled (worker pids already told)
 
-    def note(signum, _frame):
+    def note(signum: int) -> None:
         if not stop:
             stop.update(signum=signum, at=time.monotonic(), signalled=set())
             print(f"dflash: signal {signum}: asking the ranks to checkpoint and stop (bounded by "
@@ -190,9 +182,10 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
                 stop["signalled"].add(pid)
 
     liveness = rank_liveness(config, plan)
-    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
-    if any(getattr(h, "seen", False) for h in previous.values()):  # a SignalLatch saw one meanwhile
-        note(signal.SIGTERM, None)
+    presence = node_presence(config, plan)
+    request = signals.install(note)
+    if request.requested:  # one arrived while this process started up
+        note(request.signum)
     try:
         print(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}",
               flush=True)
@@ -209,6 +202,8 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
                 pass
             if liveness is not None:
                 liveness.poll()
+            if presence is not None:
+                presence.poll(len(_worker_pids(proc.pid)), liveness)
             if not stop:
                 continue
             tell_workers()
@@ -223,11 +218,17 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
                 proc.kill()
                 escalated = 2
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signals.finished()
         if liveness is not None:
             liveness.close()
+    lost = presence.finish(rc) if presence is not None else None
+    if presence is not None:
+        presence.close()
     if rc != 0:
+        if lost:
+            print(f"dflash: error: the distributed job failed (torchrun exit {rc}): {lost}", file=sys.stderr,
+                  flush=True)
+            return 1
         print(f"dflash: error: the distributed job failed (torchrun exit {rc}); the failing rank and its "
               "traceback are in torchrun's error summary above", file=sys.stderr, flush=True)
         return 1
@@ -239,11 +240,22 @@ def rank_liveness(config: RunConfig, plan):
     from dflash.notify import Notifier, RankLiveness
 
     upstream = Notifier()
-    if not upstream.enabled:
-        return None
+    if not upstream.enabled and config.topology.nnodes == 1:
+        return None  # multi-node: the node file reports this node's step and whether its ranks all joined
     node = config.topology.node_rank
     expected = {r for r in plan.drafter_ranks if r // plan.nproc_per_node == node}
     return RankLiveness(upstream, expected)
+
+
+def node_presence(config: RunConfig, plan):
+    """Multi-node: this node's presence record and node file (dflash/multinode.py)."""
+    if config.topology.nnodes == 1:
+        return None
+    from dflash.multinode import NodePresence
+
+    top = config.topology
+    return NodePresence(config.output_dir, top.nnodes, top.node_rank, top.master_addr, top.master_port,
+                        plan.nproc_per_node, plan.world_size, top.timeout_s)
 
 
 def _kill(pid: int) -> None:
