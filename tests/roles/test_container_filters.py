@@ -73,7 +73,7 @@ def test_dev_entries_cover_every_device_in_natural_order():
     assert list(entries.values()) == [
         "/dev/nvidia2,mode=0666",
         "/dev/nvidia10,mode=0666",
-        "/dev/nvidia-caps/nvidia-cap1,mode=0666",
+        "/dev/nvidia-caps/nvidia-cap1,mode=0444",  # MIG caps stay read-only
         "/dev/nvidia-uvm,mode=0666",
         "/dev/nvidiactl,mode=0666",
     ]
@@ -90,10 +90,10 @@ def test_char_majors_only_from_character_section():
 
 
 def test_legacy_lines():
-    lines = f.nvidia_legacy_lines(["/dev/nvidia0", "/dev/nvidiactl"], [195, 508])
-    assert lines == [
-        "lxc.cgroup2.devices.allow: c 195:* rwm",
-        "lxc.cgroup2.devices.allow: c 508:* rwm",
+    devices = f.nvidia_cuda_devices(["/dev/nvidia0 195 0", "/dev/nvidiactl 195 255"])
+    assert f.nvidia_legacy_lines(devices) == [
+        "lxc.cgroup2.devices.allow: c 195:0 rw",
+        "lxc.cgroup2.devices.allow: c 195:255 rw",
         "lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file",
         "lxc.mount.entry: /dev/nvidiactl dev/nvidiactl none bind,optional,create=file",
     ]

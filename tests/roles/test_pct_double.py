@@ -29,23 +29,26 @@ def pct(tmp_path, monkeypatch):
 
 def test_create_set_config(pct, tmp_path, capsys):
     pct.cmd_create("9201", pct.template, "--hostname", "ct1", "--cores", "2", "--memory", "4096",
-                   "--rootfs", "local-lvm:64", "--features", "nesting=1")  # fmt: skip
+                   "--rootfs", "local-zfs:64", "--features", "nesting=1")  # fmt: skip
     assert (tmp_path / "lxc" / "9201" / "rootfs" / "etc" / "os-release").exists()
     assert (tmp_path / "lxc" / "9201" / "rootfs" / "etc" / "hostname").read_text() == "ct1\n"
-    pct.cmd_set("9201", "--mp0", "/opt/wheels,mp=/opt/wheels,ro=1", "--dev0", "/dev/nvidia0,mode=0666", "--cores", "4")
+    pct.cmd_set("9201", "--mp0", "/opt/wheels,mp=/opt/wheels,ro=1", "--dev0", "/dev/null,mode=0666", "--cores", "4")
     pct.cmd_config("9201")
     out = capsys.readouterr().out.splitlines()
     assert "cores: 4" in out
     assert "mp0: /opt/wheels,mp=/opt/wheels,ro=1" in out
-    assert "rootfs: local-lvm:vm-9201-disk-0,size=64G" in out
+    assert "rootfs: local-zfs:subvol-9201-disk-0,size=64G" in out
+    pct.write_lxc_config("9201", pct.read_conf("9201"))  # what `pct start` generates
     lxc_config = (tmp_path / "lxc" / "9201" / "config").read_text()
     assert "lxc.uts.name = ct1" in lxc_config
     assert "lxc.mount.entry = /opt/wheels opt/wheels none bind,create=dir,ro 0 0" in lxc_config
-    assert "lxc.mount.entry = /dev/nvidia0 dev/nvidia0 none bind,optional,create=file 0 0" in lxc_config
+    assert "lxc.cgroup2.devices.allow = c 1:3 rw" in lxc_config  # /dev/null, made by the autodev hook
+    assert 'mknod -m 0666 "$LXC_ROOTFS_MOUNT"/dev/null c 1 3' in (tmp_path / "lxc" / "9201" / "autodev-hook").read_text()
 
     pct.cmd_set("9201", "--delete", "dev0,mp0")
+    pct.write_lxc_config("9201", pct.read_conf("9201"))
     lxc_config = (tmp_path / "lxc" / "9201" / "config").read_text()
-    assert "nvidia0" not in lxc_config and "wheels" not in lxc_config
+    assert "1:3" not in lxc_config and "wheels" not in lxc_config
 
 
 def test_missing_container_and_duplicate_create(pct, capsys):

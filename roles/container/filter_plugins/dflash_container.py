@@ -19,7 +19,7 @@ def pct_config_to_dict(text: str) -> dict[str, str]:
         if line.startswith("["):
             break
         key, sep, value = line.partition(": ")
-        if sep and key and not key.startswith("#"):
+        if sep and key and not key.startswith(("#", "lxc.")):
             config[key.strip()] = value.strip()
     return config
 
@@ -28,10 +28,65 @@ def _natural_key(path: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
 
 
-def nvidia_dev_entries(device_paths: list[str], mode: str = "0666") -> dict[str, str]:
-    """Map NVIDIA char device paths to Proxmox `devN` values, numbered in a stable order."""
-    paths = sorted(set(device_paths), key=_natural_key)
-    return {f"dev{i}": f"{path},mode={mode}" for i, path in enumerate(paths)}
+# The nodes CUDA opens: the GPUs, the control node and unified memory. nvidia-modeset
+# (display), nvswitch/nvlink (the fabric manager's) are not passed; MIG caps only for MIG.
+CUDA_NODE = re.compile(r"^(nvidia\d+|nvidiactl|nvidia-uvm|nvidia-uvm-tools)$")
+MIG_NODE = re.compile(r"^nvidia-caps/nvidia-cap\d+$")
+# Modes inside the container: what the driver gives these nodes on the host by default.
+NODE_MODE = "0666"
+CAP_MODE = "0444"
+
+
+def _as_device(device) -> dict:
+    if isinstance(device, dict):
+        return device
+    path = str(device)
+    return {"path": path, "name": path.split("/dev/", 1)[-1]}
+
+
+def nvidia_cuda_devices(find_lines: list[str], dev_dir: str = "/dev", mig: bool = False) -> list[dict]:
+    """The NVIDIA nodes CUDA needs, from `find DIR -maxdepth 2 -type c -printf '%p %Hr %Lr\\n'`.
+
+    Returns [{path, name (relative to dev_dir, e.g. nvidia-caps/nvidia-cap1), major, minor}] in
+    natural order of the name.
+    """
+    prefix = dev_dir.rstrip("/") + "/"
+    devices = []
+    for line in find_lines:
+        fields = line.split()
+        if len(fields) != 3 or not fields[0].startswith(prefix):
+            continue
+        name = fields[0][len(prefix):]
+        if CUDA_NODE.match(name) or (mig and MIG_NODE.match(name)):
+            devices.append({"path": fields[0], "name": name, "major": int(fields[1]), "minor": int(fields[2])})
+    return sorted(devices, key=lambda d: _natural_key(d["name"]))
+
+
+def nvidia_missing_nodes(devices: list[dict], gpus: list[int]) -> list[str]:
+    """Names of the nodes a CUDA job on `gpus` cannot run without that are not in `devices`."""
+    present = {d["name"] for d in devices}
+    needed = ["nvidiactl", "nvidia-uvm"] + [f"nvidia{int(g)}" for g in sorted(gpus)]
+    return [name for name in needed if name not in present]
+
+
+def nvidia_dev_entries(devices: list, mode: str = NODE_MODE) -> dict[str, str]:
+    """Proxmox `devN` values for the devices (paths or nvidia_cuda_devices dicts), numbered in a stable order.
+
+    MIG capability nodes are read-only (as on the host); the others get `mode`.
+    """
+    items = sorted({_as_device(d)["path"]: _as_device(d) for d in devices}.values(), key=lambda d: _natural_key(d["path"]))
+    return {
+        f"dev{i}": f"{d['path']},mode={CAP_MODE if MIG_NODE.match(d['name']) else mode}" for i, d in enumerate(items)
+    }
+
+
+def pct_dev_paths(config: dict) -> dict[str, str]:
+    """{devN: host path} of the devN entries of a parsed `pct config`."""
+    return {
+        key: value.split(",")[0].removeprefix("path=")
+        for key, value in config.items()
+        if re.fullmatch(r"dev\d+", key)
+    }
 
 
 def pct_mount_entries(mounts: list[dict]) -> dict[str, str]:
@@ -89,13 +144,94 @@ def nvidia_char_majors(proc_devices: str) -> list[int]:
     return sorted(majors)
 
 
-def nvidia_legacy_lines(device_paths: list[str], majors: list[int]) -> list[str]:
-    """Raw LXC lines for legacy passthrough: allow the majors, bind-mount every device."""
-    lines = [f"lxc.cgroup2.devices.allow: c {major}:* rwm" for major in majors]
-    for path in sorted(set(device_paths), key=_natural_key):
-        inside = path.lstrip("/")
-        lines.append(f"lxc.mount.entry: {path} {inside} none bind,optional,create=file")
+def nvidia_legacy_lines(devices: list[dict]) -> list[str]:
+    """Raw LXC lines for legacy passthrough: allow each node's major:minor, bind-mount it to /dev/NAME."""
+    lines = [f"lxc.cgroup2.devices.allow: c {d['major']}:{d['minor']} rw" for d in devices]
+    lines += [f"lxc.mount.entry: {d['path']} dev/{d['name']} none bind,optional,create=file" for d in devices]
     return lines
+
+
+def nvidia_legacy_owned(devices: list[dict], majors: list[int], dev_dir: str = "/dev") -> list[str]:
+    """Regexes of the raw lines legacy passthrough owns: NVIDIA majors (from the nodes and from
+    /proc/devices, so lines of an earlier driver's dynamic majors go too) and mounts of NVIDIA nodes."""
+    all_majors = sorted({d["major"] for d in devices} | set(majors))
+    owned = [rf"^lxc\.mount\.entry: {re.escape(dev_dir.rstrip('/'))}/nvidia"]
+    if all_majors:
+        owned.insert(0, rf"^lxc\.cgroup2?\.devices\.allow: c ({'|'.join(map(str, all_majors))}):")
+    return owned
+
+
+# pct options a running container takes at once (pve-container's fast-plug options and
+# memory hotplug); any other change stays pending until the container restarts.
+HOTPLUG_OPTIONS = {"cores", "memory", "swap", "hostname", "description", "onboot", "startup", "tags",
+                   "protection", "cpulimit", "cpuunits"}  # fmt: skip
+
+
+def pct_restart_keys(set_args: list[str]) -> list[str]:
+    """The options in `pct set` arguments that need a stopped container (devN, mpN, features, deletions...)."""
+    keys = []
+    for i in range(0, len(set_args) - 1, 2):
+        key = set_args[i].removeprefix("--")
+        if key == "delete":
+            keys += [k for k in set_args[i + 1].split(",") if k and k not in HOTPLUG_OPTIONS]
+        elif key not in HOTPLUG_OPTIONS:
+            keys.append(key)
+    return keys
+
+
+def pct_features(current: str, wanted: dict) -> str:
+    """Merge `wanted` ({nesting: 1}) into the container's `features` string, keeping its other flags and order."""
+    merged: dict[str, str] = {}
+    for item in (current or "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            merged[key.strip()] = value.strip()
+    for key, value in wanted.items():
+        merged[key] = _normalise(value)
+    return ",".join(f"{k}={v}" for k, v in merged.items())
+
+
+def _cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus += list(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _cpulist_str(cpus: list[int]) -> str:
+    ranges, cpus = [], sorted(set(cpus))
+    for cpu in cpus:
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges)
+
+
+def numa_cpuset(gpus: list[int], gpu_numa: dict, node_cpus: dict) -> str:
+    """The CPUs of the NUMA nodes of `gpus` as a cpulist (`0-31,64-95`).
+
+    gpu_numa: {GPU index: NUMA node} (sysfs numa_node of the GPU's PCI device; -1: none);
+    node_cpus: {NUMA node: cpulist} (/sys/devices/system/node/nodeN/cpulist).
+    """
+    numa = {str(k): int(v) for k, v in gpu_numa.items()}
+    cpus_of = {str(k): v for k, v in node_cpus.items()}
+    cpus: list[int] = []
+    for gpu in gpus:
+        node = numa.get(str(gpu))
+        if node is None:
+            raise ValueError(f"GPU {gpu} is not on the node (nvidia-smi lists {sorted(numa, key=int)})")
+        if node < 0 or str(node) not in cpus_of:
+            raise ValueError(f"GPU {gpu} has no NUMA node (numa_node {node}): the node is not NUMA; do not pin")
+        cpus += _cpulist(cpus_of[str(node)])
+    return _cpulist_str(cpus)
+
+
+def cpulist_count(text: str) -> int:
+    return len(set(_cpulist(text)))
 
 
 def nvidia_library_version(path: str) -> str:
@@ -113,5 +249,13 @@ class FilterModule:
             "dflash_nvidia_dev_entries": nvidia_dev_entries,
             "dflash_nvidia_char_majors": nvidia_char_majors,
             "dflash_nvidia_legacy_lines": nvidia_legacy_lines,
+            "dflash_nvidia_legacy_owned": nvidia_legacy_owned,
+            "dflash_nvidia_cuda_devices": nvidia_cuda_devices,
+            "dflash_nvidia_missing_nodes": nvidia_missing_nodes,
+            "dflash_pct_dev_paths": pct_dev_paths,
+            "dflash_pct_restart_keys": pct_restart_keys,
+            "dflash_pct_features": pct_features,
+            "dflash_numa_cpuset": numa_cpuset,
+            "dflash_cpulist_count": cpulist_count,
             "dflash_nvidia_library_version": nvidia_library_version,
         }

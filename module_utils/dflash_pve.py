@@ -1,0 +1,93 @@
+# Copyright: dflash authors
+# Apache-2.0
+"""Raw ``lxc.*`` lines in a Proxmox container config (``/etc/pve/lxc/VMID.conf``).
+
+Proxmox keeps container configs on pmxcfs, which refuses chmod/chown (EPERM): tools that
+write a temp file with the old file's mode and owner (``lineinfile``, ``atomic_move``) fail
+there. PVE itself writes ``VMID.conf.tmp.PID`` and renames it; so does this module, with
+no mode or owner change. The format follows pve-container's ``parse_pct_config``: the main
+section up to the first ``[section]`` line (``[pve:pending]`` or a snapshot), ``key: value``
+lines, raw ``lxc.*`` lines written after the others, ``#`` lines are the description.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+def split_sections(text: str) -> tuple[list[str], list[str]]:
+    """(main section lines, the rest from the first ``[section]`` line on)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("["):
+            return lines[:i], lines[i:]
+    return lines, []
+
+
+def lock_of(text: str) -> str:
+    """The ``lock:`` value of the main section ('' when unlocked)."""
+    for line in split_sections(text)[0]:
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "lock":
+            return value.strip()
+    return ""
+
+
+def _normal(line: str) -> str:
+    # pve-container accepts `lxc.key: value` and `lxc.key = value` and writes the first.
+    match = re.match(r"^(lxc\.[a-z0-9_\-.]+)(?::|\s*=)\s*(.*?)\s*$", line)
+    return f"{match.group(1)}: {match.group(2)}" if match else line
+
+
+def merge_raw_lines(text: str, lines: list[str], owned: list[str]) -> str:
+    """Make the main section carry exactly `lines` among the raw lines matching `owned`.
+
+    Raw lines matching an `owned` regex but not desired are removed, desired ones that are
+    missing are appended after the main section's last line; everything else (other keys,
+    other raw lines, pending and snapshot sections) is kept byte for byte.
+    """
+    desired = [_normal(line) for line in lines]
+    for line in desired:
+        if not line.startswith("lxc."):
+            raise ValueError(f"not a raw lxc line: {line!r} (expected 'lxc.KEY: VALUE')")
+        if "\n" in line:
+            raise ValueError(f"a raw line may not contain a newline: {line!r}")
+    patterns = [re.compile(p) for p in owned]
+    main, rest = split_sections(text)
+    kept: list[str] = []
+    present: set[str] = set()
+    for line in main:
+        normal = _normal(line)
+        if normal.startswith("lxc.") and any(p.search(normal) for p in patterns) and normal not in desired:
+            continue
+        if normal in present and normal in desired:
+            continue  # a duplicate of a managed line
+        kept.append(line)
+        if normal in desired:
+            present.add(normal)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    kept += [line for line in desired if line not in present]
+    out = "\n".join(kept) + "\n"
+    if rest:
+        out += "\n" + "\n".join(rest) + "\n"
+    return out
+
+
+def write_content(path: str, content: str) -> None:
+    """Replace `path` with `content` the way pmxcfs allows: a temp file beside it, renamed.
+
+    Never chmod/chown (pmxcfs answers EPERM); the file system gives the new file its mode.
+    """
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
