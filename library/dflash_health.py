@@ -19,6 +19,10 @@ description:
   - C(progress) - a heartbeat of this launch (its pid is a process of the unit, written after the unit started)
     advances during the check, after a first step. With O(timeout=0) (one snapshot) a heartbeat of this launch in
     status C(training) written within O(progress_window) counts.
+  - C(joined) - multi-node jobs (O(node_heartbeat_path) set) - the node file of this launch says every rank of the job
+    joined (this node's ranks all finished a step); otherwise the failure names the node that did not join, or the job's
+    failure names the node that was lost. On nodes other than 0 the node file is the heartbeat, and the log need only
+    exist (node 0's reporter writes the step lines).
   - A heartbeat of an earlier launch is never evidence; the job reads as C(starting) until this launch writes one.
   - A heartbeat with status C(finished) and a unit that exited 0 count as healthy (RV(finished)).
   - RV(state) names what the job is doing - C(training), C(finished), C(starting), C(hung), C(crashed),
@@ -80,6 +84,18 @@ options:
     description: Fail the task when the job is not healthy. V(false) reports only (status playbooks).
     type: bool
     default: true
+  node_heartbeat_path:
+    description: Multi-node jobs - this node's C(OUTPUT_DIR/nodes/node-RANK.json), written by its launcher. Unset for one node.
+    type: path
+  node_rank:
+    description: Multi-node jobs - this node's rank (0 hosts the rendezvous and the reporter).
+    type: int
+    default: 0
+  nodes:
+    description: Multi-node jobs - the names of the job's nodes in rank order, for the diagnosis.
+    type: list
+    elements: str
+    default: []
 attributes:
   check_mode:
     support: full
@@ -197,6 +213,18 @@ acceptance_length:
   description: Real acceptance length (greedy speculative decoding with the target) at the last eval, or null.
   returned: always
   type: float
+node:
+  description: Multi-node jobs - this launch's node file (status, all_joined, step, missing, error, lost_node), or null.
+  returned: always
+  type: dict
+all_joined:
+  description: Multi-node jobs - whether every rank of the job joined; null for one node.
+  returned: always
+  type: bool
+lost_node:
+  description: Multi-node jobs - the name of the node the failed job lost first (this node when its ranks failed first), or null.
+  returned: always
+  type: str
 heartbeat:
   description: The whole heartbeat document, or null.
   returned: success
@@ -226,13 +254,8 @@ import time
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.dflash_health import check_health
 from ansible.module_utils.dflash_host import ModuleHost
-from ansible.module_utils.dflash_unit import (
-    UnitError,
-    default_state_dir,
-    get_backend,
-    resolve_backend,
-    unit_name,
-)
+from ansible.module_utils.dflash_unit import get_backend, resolve_backend
+from ansible.module_utils.dflash_unit_spec import UnitError, default_state_dir, unit_name
 
 
 def launch_started_at(host, backend_name, params):
@@ -261,6 +284,9 @@ def main():
             "poll_interval": {"type": "int", "default": 5},
             "log_lines": {"type": "int", "default": 40},
             "fail_on_unhealthy": {"type": "bool", "default": True},
+            "node_heartbeat_path": {"type": "path"},
+            "node_rank": {"type": "int", "default": 0},
+            "nodes": {"type": "list", "elements": "str", "default": []},
         },
         supports_check_mode=True,
     )
@@ -283,7 +309,7 @@ def main():
     if not result["healthy"] and params["fail_on_unhealthy"]:
         # The diagnosis already holds the log tail and GPU table: keep the failure output readable.
         brief = {k: v for k, v in result.items()
-                 if k not in ("diagnosis", "failures", "log_tail", "gpu_table", "gpus", "gpu_processes", "heartbeat")}
+                 if k not in ("diagnosis", "failures", "log_tail", "gpu_table", "gpus", "gpu_processes", "heartbeat", "node")}
         module.fail_json(msg=result["diagnosis"], **brief)
     module.exit_json(changed=False, **result)
 

@@ -13,6 +13,12 @@ Invariants (names as returned in ``failed_invariants``):
                  started) advances: its step grows during the check, after a first step. A one-snapshot
                  check (``timeout: 0``, status) accepts a heartbeat of this launch in status
                  ``training`` written within ``progress_window``.
+* ``joined``   - multi-node jobs only (``node_heartbeat_path`` set): the node file of this launch
+                 (``OUTPUT_DIR/nodes/node-R.json``, written by the node's launcher) says that every rank of
+                 the job joined (this node's ranks all finished a step). The diagnosis names the node
+                 that did not join, or the node that was lost. On nodes other than 0 the node file is
+                 the heartbeat (the trainer's heartbeat is node 0's reporter's), and the log need only
+                 exist (the reporter writes the step lines).
 
 A heartbeat of an earlier launch (its pid is not the unit's, or it was written before the unit
 started) is never evidence: the job reads as ``starting`` until this launch writes its own.
@@ -32,9 +38,10 @@ import time
 
 from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, query_gpus
 from ansible.module_utils.dflash_host import read_text, tail_lines
-from ansible.module_utils.dflash_unit import is_running, pid_alive, proc_stat_fields
+from ansible.module_utils.dflash_unit_procs import pid_alive, proc_stat_fields
+from ansible.module_utils.dflash_unit_records import is_running
 
-INVARIANTS = ("log", "unit", "gpu", "progress")
+INVARIANTS = ("log", "unit", "gpu", "progress", "joined")
 TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED = (
     "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped")
 # States a script may treat as fine (exit 0 of status): healthy, or not running on purpose.
@@ -121,6 +128,14 @@ def observe(host, params, backend_status, wall=None):
     obs["unit"] = unit
     obs["unit_pids"] = sorted(process_tree(unit.get("main_pid"))) if unit["main_pid_alive"] else []
     obs["heartbeat"], obs["heartbeat_error"] = read_heartbeat(params["heartbeat_path"])
+    obs["node"], obs["node_error"] = None, None
+    if params.get("node_heartbeat_path"):
+        node, obs["node_error"] = read_heartbeat(params["node_heartbeat_path"])
+        if node is not None:
+            current, why = heartbeat_is_current({**obs, "heartbeat": node})
+            obs["node"], obs["node_error"] = (node, None) if current else (None, "the node file is not this launch's: " + why)
+        if params.get("node_rank"):  # the trainer's heartbeat is node 0's reporter's: this node's is the node file
+            obs["heartbeat"], obs["heartbeat_error"] = node, obs["node_error"]
     obs["heartbeat_current"], obs["heartbeat_stale_reason"] = heartbeat_is_current(obs)
     obs["checkpoint"], obs["checkpoint_step"] = read_checkpoint(os.path.dirname(params["heartbeat_path"]))
     obs["gpus"], obs["gpu_processes"], obs["gpu_error"], obs["gpu_error_kind"] = [], [], None, None
@@ -216,7 +231,9 @@ class HealthTracker:
                 self.log_grew = True
             age = obs["wall"] - obs["log_mtime"] if obs["log_mtime"] is not None else None
             recent = age is not None and age <= self.window
-            if not (self.log_grew or (obs["log_size"] > 0 and recent) or finished):
+            # on nodes other than 0 the log holds start-up lines only: the reporter on node 0 writes the steps
+            quiet_node = bool(self.params.get("node_heartbeat_path") and self.params.get("node_rank"))
+            if not (self.log_grew or (obs["log_size"] > 0 and recent) or finished or quiet_node):
                 failures.append(
                     ("log", f"log file {self.params['log_path']} last written {age:.0f}s ago "
                      f"(size {obs['log_size']} bytes, progress window {self.window:.0f}s)", False)
@@ -246,6 +263,10 @@ class HealthTracker:
         # progress
         if running:
             failures.extend(self._progress(obs, now))
+
+        # joined (multi-node)
+        if running and self.params.get("node_heartbeat_path"):
+            failures.extend(self._joined(obs))
 
         for invariant in INVARIANTS:
             if invariant not in {f[0] for f in failures}:
@@ -312,6 +333,37 @@ class HealthTracker:
         stayed = max(now - self.step_since, age)
         return [("progress", f"no progress: heartbeat step stayed at {step} for {stayed:.0f}s", stayed >= self.window)]
 
+    def _joined(self, obs):
+        node = obs.get("node")
+        launched = obs["unit"].get("started_at")
+        late = launched is not None and obs["wall"] - launched > self.window
+        rank = int(self.params.get("node_rank") or 0)
+        if node is None:
+            return [("joined", f"{self.node_label(rank)}: no node file from this launch yet ({obs.get('node_error')})", late)]
+        if node.get("status") == "failed":
+            return [("joined", f"the job failed: {node.get('error') or 'its ranks ended'}", True)]
+        if node.get("all_joined"):
+            return []
+        waited = obs["wall"] - (launched or obs["wall"])
+        missing = node.get("missing") or []
+        if missing:
+            names = ", ".join(self.node_label(r, node) for r in missing)
+            return [("joined", f"rendezvous incomplete after {waited:.0f}s: {names} did not join "
+                     f"(never reached the rendezvous on {self.node_label(0, node)})", late)]
+        if node.get("joined"):
+            return [("joined", f"every node reached the rendezvous; waiting for the first step of "
+                     f"{self.node_label(rank, node)}'s ranks ({waited:.0f}s)", late)]
+        if rank:
+            return [("joined", f"{self.node_label(rank, node)} is waiting {waited:.0f}s for the rendezvous on "
+                     f"{self.node_label(0, node)} (did node 0 start? is its rendezvous port reachable from here?)", late)]
+        return [("joined", f"{self.node_label(0, node)} is waiting {waited:.0f}s for the other nodes to join", late)]
+
+    def node_label(self, rank, node=None):
+        """``node R (NAME)``: the inventory's name first, else the one the launcher reported."""
+        names = self.params.get("nodes") or []
+        name = names[rank] if rank < len(names) else ((node or {}).get("nodes") or {}).get(str(rank))
+        return f"node {rank} ({name})" if name else f"node {rank}"
+
     def _state(self, obs, failures, finished):
         unit = obs["unit"]
         hb = obs.get("heartbeat") if obs.get("heartbeat_current") else None
@@ -364,6 +416,13 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
         lines.append(f"heartbeat: none from this launch ({obs.get('heartbeat_stale_reason')})")
     else:
         lines.append(f"heartbeat: {obs.get('heartbeat_error')}")
+    if obs.get("node") is not None:
+        node = obs["node"]
+        lines.append(f"node: {node.get('node_rank')} of {node.get('nnodes')} ({node.get('node')}), status {node.get('status')}, "
+                     f"all ranks joined: {'yes' if node.get('all_joined') else 'no'}"
+                     + (f", {node['error']}" if node.get("error") else ""))
+    elif obs.get("node_error"):
+        lines.append(f"node: {obs['node_error']}")
     if obs.get("checkpoint"):
         lines.append(f"checkpoint: {obs['checkpoint']} (the job resumes from it)")
     if obs.get("gpus") or obs.get("gpu_error"):
@@ -428,6 +487,9 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         "acceptance_length": hb.get("eval_acceptance_length"),
         "heartbeat": obs.get("heartbeat"),
         "heartbeat_current": bool(obs.get("heartbeat_current")),
+        "node": obs.get("node"),
+        "all_joined": bool((obs.get("node") or {}).get("all_joined")) if params.get("node_heartbeat_path") else None,
+        "lost_node": (obs.get("node") or {}).get("lost_node_name"),
         "checkpoint": obs.get("checkpoint"),
         "checkpoint_step": obs.get("checkpoint_step"),
         "gpus": obs.get("gpus", []),
