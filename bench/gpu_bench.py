@@ -166,8 +166,24 @@ def sec_features(args):
            "tapped": ids_tap, "plain_tok_s": toks / t_plain, "hooks_tok_s": toks / t_hooks,
            "speedup": t_plain / t_hooks, "plain_peak_gib": m_plain, "hooks_peak_gib": m_hooks,
            "rel_err_vs_hidden_states": rel, "compiled": {}}
-    record("features", out)
+    # A trainer batch is right-padded to its bucket: rows of different lengths. With that mask SDPA cannot
+    # take its causal fast path; without one (causal, right padding) the valid positions are the same.
+    lengths = [seq - (r * seq) // 16 for r in range(batch)]
+    padded = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        padded[r, :n] = 1
+    valid = padded.bool()
+    eager_padded = target.features(ids, padded)
+    t_hooks_padded = timed(lambda: target.features(ids, padded), 1, 3 if not args.tiny else 2)
+    out |= {"row_lengths": lengths, "hooks_padded_mask_tok_s": toks / t_hooks_padded}
     eager = hooks()
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    nomask = target.features(ids, None)
+    out["nomask_rel_err_on_valid_positions"] = rel(nomask[valid], eager_padded[valid])
+    record("features", out)
     # the trainer's compiled target (compile.target): each decoder layer compiled, hooks eager
     from dflash.compile import compile_target_layers
 
@@ -175,20 +191,23 @@ def sec_features(args):
         target.__dict__.pop("features", None)  # back to the eager method before the next mode
         torch._dynamo.reset()
         guard = compile_target_layers(target, mode)
-        t0 = time.perf_counter()
-        feats = target.features(ids, mask)
-        sync()
-        first = time.perf_counter() - t0
-        t_c = timed(lambda: target.features(ids, mask), 1, 3 if not args.tiny else 2)
-        row = {"first_call_s": first, "tok_s": toks / t_c, "speedup_vs_plain": t_plain / t_c,
-               "speedup_vs_eager_hooks": t_hooks / t_c, "fell_back": guard.failed,
-               "rel_err_vs_eager_hooks": float((feats.float() - eager.float()).norm() / eager.float().norm()),
-               "max_abs_err_vs_eager_hooks": float((feats.float() - eager.float()).abs().max()),
-               "peak_gib": peak_mem_gib(lambda: target.features(ids, mask))}
+        row = {}
+        for name, m in (("ones", mask), ("padded", padded), ("none", None)):
+            t0 = time.perf_counter()
+            feats = target.features(ids, m)
+            sync()
+            first = time.perf_counter() - t0
+            t_c = timed(lambda m=m: target.features(ids, m), 1, 3 if not args.tiny else 2)
+            ref, sel = (eager, slice(None)) if name == "ones" else (eager_padded, valid)
+            row[name] = {"first_call_s": first, "tok_s": toks / t_c, "speedup_vs_plain": t_plain / t_c,
+                         "speedup_vs_eager_hooks_same_mask": (t_hooks if name == "ones" else t_hooks_padded) / t_c,
+                         "rel_err_vs_eager": rel(feats[sel], ref[sel]),
+                         "max_abs_err_vs_eager": float((feats[sel].float() - ref[sel].float()).abs().max())}
+            del feats
+        row |= {"fell_back": guard.failed, "peak_gib": peak_mem_gib(lambda: target.features(ids, None))}
         out["compiled"][mode] = row
         print(f"  target compiled ({mode}): {row}", flush=True)
         record("features", out)
-        del feats
     target.__dict__.pop("features", None)
 
 

@@ -127,6 +127,13 @@ def _compile_forward(module: nn.Module, mode: str, backend: str | Callable) -> C
     return undo
 
 
+def _quiet_autotune_candidates(mode: str) -> None:
+    """max-autotune logs every candidate GEMM tile that does not fit the GPU (an ERROR line each, dozens per
+    shape) and then picks among the ones that do: expected, not a problem of the run."""
+    if "max-autotune" in mode:
+        logging.getLogger("torch._inductor.select_algorithm").setLevel(logging.CRITICAL)
+
+
 def _allow_recompiles(n: int) -> None:
     """The layers of one model share one code object; a layer whose guards differ (say a per-layer int)
     compiles its own graph. Allow one per layer, so none falls back to eager silently at dynamo's limit."""
@@ -144,6 +151,7 @@ def compile_target_layers(target: Any, mode: str, backend: str | Callable = "ind
     eager and the same call is answered eagerly."""
     layers = list(target.layers)
     _allow_recompiles(len(layers))
+    _quiet_autotune_candidates(mode)
     compiled = [torch.compile(layer.forward, mode=None if mode == "default" else mode, backend=backend)
                 for layer in layers]
     eager_features = target.features
@@ -165,6 +173,7 @@ def compile_target_layers(target: Any, mode: str, backend: str | Callable = "ind
 def compile_drafter(drafter: nn.Module, mode: str, backend: str | Callable = "inductor") -> EagerFallback:
     """The drafter's whole forward compiled (measured faster than per layer), guarded as above."""
     eager = drafter.forward
+    _quiet_autotune_candidates(mode)
     undo = _compile_forward(drafter, mode, backend)
     guard = EagerFallback("drafter", drafter.forward, eager, undo)
     drafter.forward = guard
