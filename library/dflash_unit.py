@@ -151,7 +151,11 @@ attributes:
     description: Reports the action it would take (none, started, restarted, stopped, removed) without taking it.
   diff_mode:
     support: full
-    description: Before/after of the config hash and the unit's state.
+    description:
+      - Before/after of the launch spec - command, user, working directory, the names (never the values) of the
+        environment variables and of the environment file's variables, the restart and watchdog settings, the
+        config file's lines - and of the unit's state. A changed environment value shows as
+        C(environment values: changed (not shown)).
 """
 
 EXAMPLES = r"""
@@ -249,18 +253,36 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.dflash_gpu import GpuQueryError
 from ansible.module_utils.dflash_host import ModuleHost, read_text
 from ansible.module_utils.dflash_unit import (
-    UnitError,
-    check_name,
-    config_hash,
-    default_state_dir,
+    GPU_RELEASE_THRESHOLD_MIB,
+    GPU_RELEASE_TIMEOUT,
     ensure,
     get_backend,
     resolve_backend,
 )
+from ansible.module_utils.dflash_unit_spec import (
+    UnitError,
+    check_name,
+    config_hash,
+    default_state_dir,
+    describe_launch,
+    launch_record,
+)
+
+# What the unit is expected to be in after each action (check mode reports it without acting).
+STATE_AFTER = {"started": "active", "restarted": "active", "stopped": "inactive", "removed": "absent"}
 
 
-def _describe(hash_value, status):
-    return "config_hash: {}\nactive_state: {}\n".format(hash_value or "-", status)
+def launch_diff(result, launch, check_mode):
+    """Before/after of the launch spec (command, user, workdir, environment keys, config) and of the unit's state."""
+    before = result.pop("launch_before")
+    action = result["action"]
+    after = None if action == "removed" else before if action == "stopped" or launch is None else launch
+    state_before = result["status_before"]["active_state"]
+    state_after = STATE_AFTER.get(action, state_before) if check_mode else result["active_state"]
+    return {
+        "before": describe_launch(before) + f"active_state: {state_before}\n",
+        "after": describe_launch(after, other=before) + f"active_state: {state_after}\n",
+    }
 
 
 def main():
@@ -278,8 +300,8 @@ def main():
             "backend": {"type": "str", "default": "auto", "choices": ["auto", "systemd", "daemon"]},
             "stop_timeout": {"type": "int", "default": 90},
             "gpu_ids": {"type": "list", "elements": "int", "default": []},
-            "gpu_release_timeout": {"type": "int", "default": 120},
-            "gpu_release_threshold_mib": {"type": "int", "default": 1024},
+            "gpu_release_timeout": {"type": "int", "default": GPU_RELEASE_TIMEOUT},
+            "gpu_release_threshold_mib": {"type": "int", "default": GPU_RELEASE_THRESHOLD_MIB},
             "compile_cache_dir": {"type": "path"},
             "state_dir": {"type": "path"},
             "restart": {"type": "str", "default": "on-failure", "choices": ["on-failure", "no"]},
@@ -344,6 +366,10 @@ def main():
                                    supervision=supervision(p))
         if launching
         else None,
+        "launch": launch_record(p["command"], spec_env(p), p["environment_file"], env_text, p["config_path"],
+                                config_text, p["working_directory"], p["user"], supervision(p))
+        if launching
+        else None,
     }
     host = ModuleHost(module)
     try:
@@ -355,15 +381,9 @@ def main():
         module.fail_json(msg=str(exc))
     except OSError as exc:
         module.fail_json(msg=f"dflash_unit {name}: {exc}", exception=traceback.format_exc())
+    diff = launch_diff(result, spec["launch"], module.check_mode)
     if module._diff:
-        before = result["status_before"]
-        after_state = result["active_state"] if not module.check_mode else {
-            "started": "active", "restarted": "active", "stopped": "inactive", "absent": "absent", "none": before["active_state"]
-        }[result["action"] if result["action"] != "removed" else "absent"]  # fmt: skip
-        result["diff"] = {
-            "before": _describe(result["previous_hash"], before["active_state"]),
-            "after": _describe(result["config_hash"] if launching else result["previous_hash"], after_state),
-        }
+        result["diff"] = diff
     module.exit_json(**result)
 
 

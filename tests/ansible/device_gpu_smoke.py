@@ -31,7 +31,8 @@ module_utils.__path__.append(os.path.join(ROOT, "module_utils"))
 from ansible.module_utils.dflash_gpu import format_gpu_table, query_gpus  # noqa: E402
 from ansible.module_utils.dflash_health import check_health  # noqa: E402
 from ansible.module_utils.dflash_host import LocalHost  # noqa: E402
-from ansible.module_utils.dflash_unit import DaemonBackend, ensure, resolve_backend  # noqa: E402
+from ansible.module_utils.dflash_unit import ensure, resolve_backend  # noqa: E402
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend  # noqa: E402
 
 TRAINER = """
 import json, os, signal, sys, time

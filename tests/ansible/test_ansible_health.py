@@ -13,7 +13,7 @@ import time
 import pytest
 from ansible.module_utils.dflash_health import check_health
 from ansible.module_utils.dflash_host import LocalHost
-from ansible.module_utils.dflash_unit import DaemonBackend
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from test_ansible_unit_daemon import wait_for
 
 # The unit is this test process, launched an hour ago.

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import yaml
 from ansible.module_utils.dflash_host import LocalHost
-from ansible.module_utils.dflash_unit import DaemonBackend
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from conftest import ROOT, tool
 
 pytestmark = pytest.mark.slow

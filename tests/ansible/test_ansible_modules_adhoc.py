@@ -18,7 +18,7 @@ CRASH = "echo 'dflash: error: target.path /models/x does not exist; fix target.p
 
 def _tasks(tmp):
     unit = {"name": "adhoc-job", "backend": "daemon", "command": [sys.executable, "-u", "-c", LOOP], "log_path": f"{tmp}/job.log",
-            "config_path": f"{tmp}/run.yaml", "environment_file": f"{tmp}/job.env", "environment": {"PYTHONPATH": "/opt/dflash/current"},
+            "config_path": f"{tmp}/run.yaml", "environment_file": f"{tmp}/job.env", "environment": {"PYTHONPATH": "/opt/dflash/current", "HF_TOKEN": "s3cret-one"},
             "working_directory": tmp, "state_dir": f"{tmp}/state", "compile_cache_dir": f"{tmp}/cache/inductor", "stop_timeout": 5}  # fmt: skip
     crash = {**unit, "name": "adhoc-crash", "command": ["sh", "-c", CRASH], "state_dir": f"{tmp}/crash-state", "log_path": f"{tmp}/crash.log"}
     health = {"name": "adhoc-crash", "backend": "daemon", "state_dir": f"{tmp}/crash-state", "log_path": f"{tmp}/crash.log",
@@ -35,6 +35,8 @@ def _tasks(tmp):
         {"dflash_unit": unit, "register": "start2"},
         {"ansible.builtin.copy": {"content": "seed: 1\n", "dest": f"{tmp}/run.yaml", "mode": "0644"}},
         {"dflash_unit": unit, "register": "check3", "check_mode": True, "diff": True},
+        {"dflash_unit": {**unit, "environment": {**unit["environment"], "HF_TOKEN": "s3cret-two"}}, "register": "check3_env",
+         "check_mode": True, "diff": True},
         {"dflash_unit": unit, "register": "start3"},
         {"dflash_unit": {**unit, "state": "stopped"}, "register": "stop4"},
         {"dflash_unit": {**unit, "state": "absent"}, "register": "absent5"},
@@ -50,7 +52,7 @@ def _tasks(tmp):
         {"dflash_gpu_facts": {}, "register": "gpu_required", "ignore_errors": True},
         {"dflash_gpu_facts": {"required": False}, "register": "gpu_optional"},
     ]
-    names = ["start1", "start2", "check3", "start3", "stop4", "absent5", "err_missing", "err_envfile", "crash_start",
+    names = ["start1", "start2", "check3", "check3_env", "start3", "stop4", "absent5", "err_missing", "err_envfile", "crash_start",
              "health_fail", "health_report", "sync1", "sync2", "gpu_required", "gpu_optional"]  # fmt: skip
     dump = {"ansible.builtin.copy": {"content": "{{ {" + ", ".join(f"'{n}': {n}" for n in names) + "} | to_json }}",
                                      "dest": f"{tmp}/results.json", "mode": "0644"}}  # fmt: skip
@@ -84,7 +86,16 @@ def test_unit_started_twice_is_idempotent(results):
 def test_config_change_restarts_and_check_mode_only_reports(results):
     first, checked, third = results["start1"], results["check3"], results["start3"]
     assert checked["changed"] and checked["action"] == "restarted" and checked["main_pid"] == first["main_pid"]
-    assert f"-config_hash: {first['config_hash']}" in results["_stdout"]  # --diff output
+    # --diff shows the launch spec: the config's changed line, the environment's names, never a value or a hash.
+    before, after = checked["diff"]["before"], checked["diff"]["after"]
+    assert "  seed: 0" in before and "  seed: 1" in after and "-  seed: 0" in results["_stdout"]
+    assert after.startswith(f"command: {sys.executable} -u -c ") and "\nuser: -\nworking_directory: /" in after
+    assert "environment keys: HF_TOKEN, PYTHONPATH" in after and "environment_file keys: OMP_NUM_THREADS" in after
+    assert "environment values: not shown" in after and first["config_hash"] not in before + after
+    env_change = results["check3_env"]
+    assert env_change["action"] == "restarted" and "environment values: changed (not shown)" in env_change["diff"]["after"]
+    assert "+environment values: changed (not shown)" in results["_stdout"]
+    assert "s3cret" not in results["_stdout"] and "s3cret" not in json.dumps(results)
     assert third["changed"] and third["action"] == "restarted"
     assert third["previous_hash"] == first["config_hash"] and third["config_hash"] != first["config_hash"]
     assert third["main_pid"] != first["main_pid"] and third["active_state"] == "active"

@@ -12,7 +12,9 @@ import time
 
 import pytest
 from ansible.module_utils.dflash_host import LocalHost
-from ansible.module_utils.dflash_unit import DaemonBackend, ensure, job_processes
+from ansible.module_utils.dflash_unit import ensure
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend
+from ansible.module_utils.dflash_unit_procs import job_processes
 from conftest import ROOT, wait_for
 
 LOOP = [sys.executable, "-u", "-c", "import time\nfor i in range(100000):\n    print('step', i, flush=True)\n    time.sleep(0.05)"]
@@ -133,7 +135,7 @@ def test_start_does_not_hold_the_callers_pipes(tmp_path):
         import ansible.module_utils
         ansible.module_utils.__path__.append({str(ROOT / 'module_utils')!r})
         from ansible.module_utils.dflash_host import LocalHost
-        from ansible.module_utils.dflash_unit import DaemonBackend
+        from ansible.module_utils.dflash_unit_daemon import DaemonBackend
         spec = dict(name="pipes", command=["sleep", "30"], log_path={str(tmp_path / 'log')!r},
                     state_dir={str(tmp_path / 'state')!r}, working_directory="/")
         DaemonBackend(LocalHost()).start(spec)

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from ansible.module_utils.dflash_unit import (
+from ansible.module_utils.dflash_unit import clear_directory, ensure, resolve_backend
+from ansible.module_utils.dflash_unit_spec import UnitError, config_hash, parse_environment_file, plan_action
+from ansible.module_utils.dflash_unit_systemd import (
     RECORD_EXIT_SCRIPT,
-    UnitError,
-    clear_directory,
-    config_hash,
-    ensure,
-    parse_environment_file,
     parse_systemctl_show,
-    plan_action,
-    resolve_backend,
     systemd_run_args,
 )
 
@@ -253,7 +248,7 @@ def _systemd_spec(tmp_path):
 
 
 def test_systemd_start_resets_a_failed_unit_then_runs(tmp_path, fake_host):
-    from ansible.module_utils.dflash_unit import SystemdBackend
+    from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
     host = fake_host({"systemctl show": (0, SHOW_FAILED, "")})
     backend = SystemdBackend(host)
@@ -265,7 +260,7 @@ def test_systemd_start_resets_a_failed_unit_then_runs(tmp_path, fake_host):
 
 
 def test_systemd_start_failure_names_the_unit_and_stderr(tmp_path, fake_host):
-    from ansible.module_utils.dflash_unit import SystemdBackend
+    from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
     host = fake_host({"systemd-run": (1, "", "Failed to start transient service unit: Unit dflash-train.service already exists.")})
     with pytest.raises(UnitError, match=r"systemd-run could not start dflash-train.service \(exit 1\): Failed to start transient"):
@@ -273,7 +268,7 @@ def test_systemd_start_failure_names_the_unit_and_stderr(tmp_path, fake_host):
 
 
 def test_systemd_stop_waits_and_keeps_the_exit_status_of_an_unloaded_unit(tmp_path, fake_host):
-    from ansible.module_utils.dflash_unit import SystemdBackend
+    from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
     shows = iter([SHOW_RUNNING, SHOW_RUNNING, "LoadState=loaded\nActiveState=deactivating\nSubState=stop-sigterm\nMainPID=77\n",
                   "LoadState=loaded\nActiveState=inactive\nSubState=dead\nMainPID=0\nExecMainStatus=0\nExecMainCode=1\n"])  # fmt: skip
@@ -287,7 +282,7 @@ def test_systemd_stop_waits_and_keeps_the_exit_status_of_an_unloaded_unit(tmp_pa
 
 
 def test_systemd_restart_sequence_in_order(tmp_path, fake_host):
-    from ansible.module_utils.dflash_unit import SystemdBackend
+    from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
     running = {"value": True}
 
@@ -319,13 +314,13 @@ def test_systemd_restart_sequence_in_order(tmp_path, fake_host):
      ("killed 9", 137), ("killed BOGUS", None), ("", None), ("garbage here", None)],
 )  # fmt: skip
 def test_exit_status_files_of_both_backends(text, expected):
-    from ansible.module_utils.dflash_unit import parse_exit_status
+    from ansible.module_utils.dflash_unit_records import parse_exit_status
 
     assert parse_exit_status(text) == expected
 
 
 def test_systemd_state_dir_must_be_safe_for_the_command_line(tmp_path, fake_host):
-    from ansible.module_utils.dflash_unit import SystemdBackend
+    from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
     for bad in ("a b", "x'y", "x;touch /tmp/pwned", "x`id`", "x$y", "x%n", "x>y"):
         with pytest.raises(UnitError, match="must be an absolute path of letters"):

@@ -12,20 +12,17 @@ import time
 
 import pytest
 from ansible.module_utils.dflash_host import LocalHost
-from ansible.module_utils.dflash_unit import (
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend
+from ansible.module_utils.dflash_unit_procs import job_processes, proc_stat
+from ansible.module_utils.dflash_unit_records import check_root_owned
+from ansible.module_utils.dflash_unit_spec import (
     DEFAULT_STATE_ROOT,
-    RECORD_EXIT_SCRIPT,
-    DaemonBackend,
-    SystemdBackend,
     UnitError,
     check_name,
-    check_root_owned,
     environment_file_text,
-    job_processes,
     parse_environment_file,
-    proc_stat,
-    systemd_run_args,
 )
+from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, SystemdBackend, systemd_run_args
 from conftest import ROOT, tool
 
 # Values systemd itself read back unchanged from these lines (checked with systemd 252 in a container:

@@ -12,7 +12,10 @@ import time
 
 import pytest
 from ansible.module_utils.dflash_host import LocalHost
-from ansible.module_utils.dflash_unit import DaemonBackend, UnitError, ensure, is_running
+from ansible.module_utils.dflash_unit import ensure
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend
+from ansible.module_utils.dflash_unit_records import is_running
+from ansible.module_utils.dflash_unit_spec import UnitError
 from conftest import ROOT
 from conftest import wait_for as conftest_wait_for
 

@@ -1,0 +1,126 @@
+# Copyright: dflash authors
+# Apache-2.0
+"""What a job leaves in its root-only state directory and how its state is reported: the systemd-style status
+dict, the exit status and the events of every end, the restart facts read from them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat as stat_module
+
+from ansible.module_utils.dflash_host import read_text
+from ansible.module_utils.dflash_unit_spec import DEFAULT_STATE_ROOT, UnitError
+
+RUNNING_STATES = ("active", "activating", "deactivating", "reloading")
+
+
+def check_root_owned(path):
+    """Refuse a state directory that a non-root account could replace: every existing directory from ``path``
+    up to ``/`` must belong to root (or to the account running this) and be writable by nobody else, unless it
+    is sticky (like /tmp, where others cannot rename what is ours)."""
+    me = os.getuid()
+    current = os.path.abspath(path)
+    while True:
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if stat_module.S_ISLNK(st.st_mode):
+                raise UnitError(f"state_dir {path!r}: {current} is a symbolic link; use a real directory owned by root")
+            foreign = st.st_uid not in (0, me)
+            shared = st.st_mode & 0o022 and not (current != os.path.abspath(path) and st.st_mode & stat_module.S_ISVTX)
+            if foreign or shared:
+                raise UnitError(
+                    f"state_dir {path!r}: {current} is owned by uid {st.st_uid} with mode {stat_module.S_IMODE(st.st_mode):o}; "
+                    "root keeps the unit's state there, so only root may write it: use a root-owned directory "
+                    f"(default {DEFAULT_STATE_ROOT}/NAME), not one under the trainer account's home"
+                )
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
+def make_state_dir(path):
+    check_root_owned(path)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    check_root_owned(path)
+
+
+def remove_files(directory, names):
+    """Remove these files of ``directory`` where they exist (the records of an earlier launch)."""
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+
+
+def empty_status():
+    return {
+        "load_state": "not-found",
+        "active_state": "inactive",
+        "sub_state": "dead",
+        "main_pid": None,
+        "exit_status": None,
+        "result": None,
+        "restarts": None,
+    }
+
+
+def is_running(status):
+    return status["active_state"] in RUNNING_STATES
+
+
+def parse_exit_status(text):
+    """``N`` (daemon supervisor) or systemd's ``$EXIT_CODE $EXIT_STATUS`` (``exited 3``, ``killed TERM``)
+    as a shell-style status: the exit code, or 128+N for a signal. None when unknown."""
+    words = (text or "").split()
+    if len(words) == 1 and words[0].lstrip("-").isdigit():
+        return int(words[0])
+    if len(words) == 2 and words[0] == "exited" and words[1].isdigit():
+        return int(words[1])
+    if len(words) == 2 and words[0] in ("killed", "dumped"):
+        name = words[1].upper()
+        if name.isdigit():
+            return 128 + int(name)
+        try:
+            return 128 + int(signal.Signals["SIG" + name.removeprefix("SIG")])
+        except KeyError:
+            return None
+    return None
+
+
+def read_exit_status(state_dir):
+    return parse_exit_status(read_text(os.path.join(state_dir, "exit_status"), ""))
+
+
+def write_exit_status(host, state_dir, value):
+    os.makedirs(state_dir, exist_ok=True)
+    host.atomic_write(os.path.join(state_dir, "exit_status"), f"{int(value)}\n")
+
+
+def read_events(state_dir):
+    """The ends recorded since the launch: [{time, result, exit}] (oldest first)."""
+    events = []
+    for line in (read_text(os.path.join(state_dir, "events"), "") or "").splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0].isdigit():
+            events.append({"time": int(words[0]), "result": words[1], "exit": " ".join(words[2:]) or None})
+    return events
+
+
+def add_restart_facts(status, state_dir):
+    """restarts, watchdog_kills, last_exit_reason and crash_loop (restarts exhausted) of a status dict."""
+    events = read_events(state_dir)
+    if status.get("restarts") is None:
+        status["restarts"] = 0
+    status["watchdog_kills"] = sum(1 for e in events if e["result"] == "watchdog")
+    last = next((e for e in reversed(events) if e["result"] != "success"), None)
+    status["last_exit_reason"] = f"{last['result']} ({last['exit']})" if last else None
+    status["crash_loop"] = bool(status["active_state"] == "failed" and status.get("restarts"))
+    return status
