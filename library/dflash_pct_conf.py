@@ -25,12 +25,15 @@ options:
     type: path
     required: true
   lines:
-    description: The wanted raw lines, C(lxc.KEY: VALUE) (C(lxc.KEY = VALUE) is accepted and written with a colon).
+    description: >-
+      The wanted raw lines, C(lxc.KEY: VALUE); C(lxc.KEY = VALUE) is accepted and written with a colon.
     type: list
     elements: str
     default: []
   owned:
-    description: Regular expressions (searched in C(lxc.KEY: VALUE)) of the raw lines this task owns; an owned line not in O(lines) is removed.
+    description: >-
+      Regular expressions, searched in C(lxc.KEY: VALUE), of the raw lines this task owns; an owned line
+      not in O(lines) is removed.
     type: list
     elements: str
     default: []
