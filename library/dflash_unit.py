@@ -154,8 +154,8 @@ attributes:
     description:
       - Before/after of the launch spec - command, user, working directory, the names (never the values) of the
         environment variables and of the environment file's variables, the restart and watchdog settings, the
-        config file's lines - and of the unit's state. A changed environment value shows as
-        C(environment values: changed (not shown)).
+        config file's lines - and of the unit's state. A changed environment value is marked as changed, never
+        shown.
 """
 
 EXAMPLES = r"""
@@ -272,6 +272,33 @@ from ansible.module_utils.dflash_unit_spec import (
 STATE_AFTER = {"started": "active", "restarted": "active", "stopped": "inactive", "removed": "absent"}
 
 
+ARGUMENT_SPEC = {
+    "name": {"type": "str", "required": True},
+    "state": {"type": "str", "default": "started", "choices": ["started", "restarted", "stopped", "absent"]},
+    "command": {"type": "list", "elements": "str"},
+    "environment_file": {"type": "path"},
+    "environment": {"type": "dict", "default": {}, "no_log": True},
+    "working_directory": {"type": "path"},
+    "user": {"type": "str"},
+    "log_path": {"type": "path"},
+    "config_path": {"type": "path"},
+    "backend": {"type": "str", "default": "auto", "choices": ["auto", "systemd", "daemon"]},
+    "stop_timeout": {"type": "int", "default": 90},
+    "gpu_ids": {"type": "list", "elements": "int", "default": []},
+    "gpu_release_timeout": {"type": "int", "default": GPU_RELEASE_TIMEOUT},
+    "gpu_release_threshold_mib": {"type": "int", "default": GPU_RELEASE_THRESHOLD_MIB},
+    "compile_cache_dir": {"type": "path"},
+    "state_dir": {"type": "path"},
+    "restart": {"type": "str", "default": "on-failure", "choices": ["on-failure", "no"]},
+    "restart_delay": {"type": "int", "default": 10},
+    "restart_burst": {"type": "int", "default": 3},
+    "restart_interval": {"type": "int", "default": 600},
+    "watchdog": {"type": "int", "default": 0},
+    "watchdog_start": {"type": "int", "default": 0},
+    "on_failure": {"type": "list", "elements": "str", "default": []},
+}
+
+
 def launch_diff(result, launch, check_mode):
     """Before/after of the launch spec (command, user, workdir, environment keys, config) and of the unit's state."""
     before = result.pop("launch_before")
@@ -287,31 +314,7 @@ def launch_diff(result, launch, check_mode):
 
 def main():
     module = AnsibleModule(
-        argument_spec={
-            "name": {"type": "str", "required": True},
-            "state": {"type": "str", "default": "started", "choices": ["started", "restarted", "stopped", "absent"]},
-            "command": {"type": "list", "elements": "str"},
-            "environment_file": {"type": "path"},
-            "environment": {"type": "dict", "default": {}, "no_log": True},
-            "working_directory": {"type": "path"},
-            "user": {"type": "str"},
-            "log_path": {"type": "path"},
-            "config_path": {"type": "path"},
-            "backend": {"type": "str", "default": "auto", "choices": ["auto", "systemd", "daemon"]},
-            "stop_timeout": {"type": "int", "default": 90},
-            "gpu_ids": {"type": "list", "elements": "int", "default": []},
-            "gpu_release_timeout": {"type": "int", "default": GPU_RELEASE_TIMEOUT},
-            "gpu_release_threshold_mib": {"type": "int", "default": GPU_RELEASE_THRESHOLD_MIB},
-            "compile_cache_dir": {"type": "path"},
-            "state_dir": {"type": "path"},
-            "restart": {"type": "str", "default": "on-failure", "choices": ["on-failure", "no"]},
-            "restart_delay": {"type": "int", "default": 10},
-            "restart_burst": {"type": "int", "default": 3},
-            "restart_interval": {"type": "int", "default": 600},
-            "watchdog": {"type": "int", "default": 0},
-            "watchdog_start": {"type": "int", "default": 0},
-            "on_failure": {"type": "list", "elements": "str", "default": []},
-        },
+        argument_spec=ARGUMENT_SPEC,
         required_if=[
             ("state", "started", ("command", "log_path")),
             ("state", "restarted", ("command", "log_path")),

@@ -10,7 +10,6 @@ diagnosis) and `dflash_gpu_facts` (GPU table). Their results are read from the
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +18,7 @@ from dflash.errors import DflashError
 MODULE_UNIT = "dflash_unit"
 MODULE_HEALTH = "dflash_health"
 MODULE_GPU_FACTS = "dflash_gpu_facts"
-# playbooks/logs.yml: the task whose stdout is the log reader's JSON document.
-LOG_TASK = "Read the job's log"
+MODULE_LOGS = "dflash_logs"
 
 # Container states. The first seven are dflash_health's (`state`); the others are derived when no
 # health check ran (a deploy that failed earlier, stop.yml) or the host was not reached.
@@ -274,7 +272,7 @@ class EventCollector:
             _apply_health(container, res)
         elif module == MODULE_GPU_FACTS:
             _apply_gpu_facts(container, res)
-        elif data.get("task") == LOG_TASK and kind == "runner_on_ok":
+        elif module == MODULE_LOGS and kind == "runner_on_ok":
             _apply_log(container, res)
         if kind == "runner_on_failed":
             self.failures[host] = TaskFailure(
@@ -363,13 +361,9 @@ def _apply_gpu_facts(container: ContainerStatus, res: dict[str, Any]) -> None:
 
 
 def _apply_log(container: ContainerStatus, res: dict[str, Any]) -> None:
-    try:
-        doc = json.loads(res.get("stdout") or "")
-    except ValueError:
-        return
-    container.log_path = doc.get("path")
-    container.log_tail = list(doc.get("lines") or [])
-    container.log_next_offset = doc.get("next_offset")
+    container.log_path = res.get("path")
+    container.log_tail = list(res.get("lines") or [])
+    container.log_next_offset = res.get("next_offset")
 
 
 def _gpus(rows: list[dict[str, Any]]) -> list[GpuMemory]:

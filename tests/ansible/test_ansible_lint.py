@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -67,8 +68,8 @@ MODULES = sorted(p.stem for p in (ROOT / "library").glob("dflash_*.py"))
 
 
 def test_module_docs_render_and_match_the_argument_spec(ansible_env):
-    assert MODULES == ["dflash_gpu_facts", "dflash_health", "dflash_inventory_check", "dflash_lock", "dflash_pct_conf", "dflash_sync",
-                       "dflash_unit"]
+    assert MODULES == ["dflash_gpu_facts", "dflash_health", "dflash_inventory_check", "dflash_lock", "dflash_logs",
+                       "dflash_pct_conf", "dflash_sync", "dflash_unit"]
     proc = subprocess.run([tool("ansible-doc"), "-t", "module", "-M", "library", "--json", *MODULES], cwd=ROOT, env=ansible_env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -79,7 +80,21 @@ def test_module_docs_render_and_match_the_argument_spec(ansible_env):
         assert "diff_mode" in doc["doc"]["attributes"], name
         assert doc["examples"].strip() and doc["return"], name
         source = (ROOT / "library" / f"{name}.py").read_text()
-        spec = source[source.index("argument_spec={"):]
         documented = set(doc["doc"]["options"])
-        coded = set(re.findall(r'^\s{12}"(\w+)": \{"type"', spec, re.M))
+        if "ARGUMENT_SPEC = {" in source:
+            # One source for each default: the documented one is the coded one (e.g. a module_utils constant).
+            spec = _load_module(name).ARGUMENT_SPEC
+            coded = set(spec)
+            for option in documented & coded:
+                assert doc["doc"]["options"][option].get("default") == spec[option].get("default"), (name, option)
+        else:
+            spec = source[source.index("argument_spec={"):]
+            coded = set(re.findall(r'^\s{12}"(\w+)": \{"type"', spec, re.M))
         assert documented == coded, f"{name}: documented {sorted(documented ^ coded)} differ from argument_spec"
+
+
+def _load_module(name):
+    loaded = importlib.util.spec_from_file_location(f"_dflash_library_{name}", ROOT / "library" / f"{name}.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module

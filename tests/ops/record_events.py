@@ -8,6 +8,7 @@ arguments, diffs and console text dropped) and written to tests/ops/events/.
 
     .venv/bin/python tests/ops/record_events.py [ROOT]
     .venv/bin/python tests/ops/record_events.py --lxc   # status of inventories/local (read-only)
+    .venv/bin/python tests/ops/record_events.py --logs [ROOT]   # only the log reads (logs, logs_follow)
     python3 tests/ops/record_events.py --gpu ROOT       # on a GPU machine: the tiny run on GPU 0
     .venv/bin/python tests/ops/record_events.py --artifacts DIR NAME   # keep a past run's job_events/
 
@@ -102,6 +103,18 @@ def record_gpu(root: Path) -> None:
     record("stop_gpu", "stop", gpu, limit=one)
 
 
+def record_logs(root: Path) -> None:
+    """The log reads alone, over a log file of trainer lines (no job needed: the reader only reads the file)."""
+    base = fresh(root)
+    (root / "log").mkdir()
+    lines = [f"step {n} loss {4 - n / 100:.3f} acc@1 0.{n:02d} tau 1.{n:02d} tokens/s 812" for n in range(1, 41)]
+    (root / "log" / "dflash-ops-fixture.log").write_text("\n".join(lines) + "\npartial line being writ")
+    one = "dflash-fixture"
+    record("logs", "logs", {**base, "dflash_ops_log_lines": 5}, limit=one)
+    record("logs_follow", "logs", {**base, "dflash_ops_log_offsets": {one: 0}, "dflash_ops_log_max_bytes": 400},
+           limit=one)
+
+
 def main(root: Path) -> None:
     base = fresh(root)
     one = "dflash-fixture"
@@ -124,6 +137,8 @@ if __name__ == "__main__":
         from_artifacts(Path(sys.argv[2]), sys.argv[3])
     elif sys.argv[1:2] == ["--gpu"]:
         record_gpu(Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp/dflash-ops-fixture"))
+    elif sys.argv[1:2] == ["--logs"]:
+        record_logs(Path(sys.argv[2]) if len(sys.argv) > 2 else Path("/tmp/dflash-ops-fixture"))
     elif sys.argv[1:] == ["--lxc"]:
         # The systemd backend in a real LXC container, with a job `make train` started.
         record("status_lxc_systemd", "status", {}, inventory=ROOT / "inventories" / "local")

@@ -82,6 +82,14 @@ def test_logs_last_lines_and_a_follow_read():
     assert follow.log_tail and sum(len(line) + 1 for line in follow.log_tail) == follow.log_next_offset
 
 
+def test_the_log_read_is_recognised_by_its_module_not_by_the_tasks_name():
+    collector = EventCollector()
+    for event in load("logs")["events"]:
+        data = event["event_data"]
+        collector({**event, "event_data": {**data, "task": "Anything", "name": "Anything"}})
+    assert collector.containers["dflash-fixture"].log_tail[-1].startswith("step 40 ")
+
+
 def test_stop_reports_the_stopped_unit_and_its_exit_status():
     result = replay("stop")
     job = result.containers["dflash-fixture"]
