@@ -487,6 +487,8 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         "acceptance_length": hb.get("eval_acceptance_length"),
         "heartbeat": obs.get("heartbeat"),
         "heartbeat_current": bool(obs.get("heartbeat_current")),
+        "job": params["name"],
+        "nodes": list(params.get("nodes") or []),
         "node": obs.get("node"),
         "all_joined": bool((obs.get("node") or {}).get("all_joined")) if params.get("node_heartbeat_path") else None,
         "lost_node": (obs.get("node") or {}).get("lost_node_name"),

@@ -134,6 +134,9 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
                           _fmt(c.exit_status), _fmt(c.step), _fmt(c.tokens_per_s, ".0f"), _fmt(c.tau, ".3f"),
                           _fmt(c.acceptance_length, ".2f"), escape(_gpu_memory(c)))
         console.print(table)
+    for job in result.jobs:  # a multi-node job across its containers
+        style = _STATE_STYLE.get(job.state, "")
+        console.print(f"[{style}]{escape(job.describe())}[/]" if style else escape(job.describe()), soft_wrap=True)
     for c in result.containers.values():
         # One diagnosis per job, printed once: it holds the log tail already.
         diagnosis = (c.failure.diagnosis if c.failure else None) or (c.diagnosis if c.state not in OK_STATES else None)

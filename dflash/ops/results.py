@@ -104,6 +104,59 @@ class ContainerStatus:
     # playbooks/logs.yml: where the next follow read starts.
     log_next_offset: int | None = None
     failure: TaskFailure | None = None
+    # Multi-node jobs (dflash_health's node report): the job, this node's rank among its nodes (in rank order).
+    job: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    node_rank: int | None = None
+    all_joined: bool | None = None
+    lost_node: str | None = None
+
+
+# The worst state first: a job across nodes is as bad as its worst node.
+_JOB_STATE_ORDER = (UNREACHABLE, CRASHED, HUNG, FAILED_TO_START, FAILED, UNHEALTHY, UNKNOWN, STARTING, RUNNING, STOPPED,
+                    FINISHED, TRAINING)
+
+
+@dataclass
+class JobAcrossNodes:
+    """One multi-node job seen across its containers: its worst node's state, whether every rank joined, the lost node."""
+
+    name: str
+    nodes: list[str]
+    state: str
+    all_joined: bool
+    lost_node: str | None = None
+    step: int | None = None  # node 0's (its reporter trains the job's steps)
+    missing: list[str] = field(default_factory=list)  # nodes of the job this run did not report on
+
+    def describe(self) -> str:
+        bits = [f"job {self.name} on {len(self.nodes)} nodes: {self.state}",
+                f"all ranks joined: {'yes' if self.all_joined else 'no'}"]
+        if self.step is not None:
+            bits.append(f"step {self.step}")
+        if self.lost_node:
+            bits.append(f"lost node: {self.lost_node}")
+        if self.missing:
+            bits.append("not reported: " + ", ".join(self.missing))
+        return ", ".join(bits)
+
+
+def jobs_across_nodes(containers: dict[str, ContainerStatus]) -> list[JobAcrossNodes]:
+    jobs: dict[str, list[str]] = {}
+    for c in containers.values():
+        if c.job and len(c.nodes) > 1:
+            jobs.setdefault(c.job, c.nodes)
+    out = []
+    for name, nodes in jobs.items():
+        seen = [containers[n] for n in nodes if n in containers]
+        states = [c.state for c in seen]
+        lost = next((c.lost_node for c in seen if c.lost_node), None)
+        first = containers.get(nodes[0])
+        out.append(JobAcrossNodes(
+            name=name, nodes=list(nodes), state=min(states, key=_JOB_STATE_ORDER.index) if states else UNKNOWN,
+            all_joined=bool(seen) and len(seen) == len(nodes) and all(c.all_joined for c in seen), lost_node=lost,
+            step=first.step if first else None, missing=[n for n in nodes if n not in containers]))
+    return out
 
 
 class OpsFailed(DflashError):
@@ -132,6 +185,8 @@ class OpsResult:
     bad_input: bool = False
     stats: dict[str, dict[str, int]] = field(default_factory=dict)
     artifact_dir: str | None = None
+    # Multi-node jobs, each across its containers.
+    jobs: list[JobAcrossNodes] = field(default_factory=list)
 
     @property
     def message(self) -> str:
@@ -143,7 +198,7 @@ class OpsResult:
             return f"{self.operation} failed: {self.failures[0].headline}{extra}"
         if not self.ok:
             return f"{self.operation} failed: ansible-runner status {self.status}, rc {self.rc}"
-        parts = [f"{c.host} {_describe(c)}" for c in self.containers.values()]
+        parts = [f"{c.host} {_describe(c)}" for c in self.containers.values()] + [j.describe() for j in self.jobs]
         return f"{self.operation} ok: " + ("; ".join(parts) if parts else "no containers")
 
     def raise_for_failure(self) -> OpsResult:
@@ -302,7 +357,8 @@ class EventCollector:
             error = f"ansible-playbook exited with status {rc} ({status}) before reporting a failed task"
         return OpsResult(operation=operation, playbook=playbook, inventory=inventory, ok=ok, status=status, rc=rc,
                          containers=dict(sorted(self.containers.items())), failures=failures, error=error,
-                         bad_input=bad_input, stats=self.stats, artifact_dir=artifact_dir)
+                         bad_input=bad_input, stats=self.stats, artifact_dir=artifact_dir,
+                         jobs=jobs_across_nodes(self.containers))
 
 
 def _task_name(data: dict[str, Any]) -> str:
@@ -347,6 +403,10 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
         container.gpus = _gpus(res["gpus"])
     if res.get("log_tail"):
         container.log_tail = list(res["log_tail"])
+    if res.get("node") is not None or res.get("all_joined") is not None:
+        container.job, container.nodes = res.get("job"), list(res.get("nodes") or [])
+        container.node_rank = container.nodes.index(container.host) if container.host in container.nodes else None
+        container.all_joined, container.lost_node = res.get("all_joined"), res.get("lost_node")
 
 
 def health_diagnosis(res: dict[str, Any]) -> str | None:
