@@ -90,7 +90,7 @@ def test_char_majors_only_from_character_section():
 
 
 def test_legacy_lines():
-    devices = f.nvidia_cuda_devices(["/dev/nvidia0 195 0", "/dev/nvidiactl 195 255"])
+    devices = f.nvidia_cuda_devices(["/dev/nvidia0 c3 0", "/dev/nvidiactl c3 ff"])
     assert f.nvidia_legacy_lines(devices) == [
         "lxc.cgroup2.devices.allow: c 195:0 rw",
         "lxc.cgroup2.devices.allow: c 195:255 rw",

@@ -59,19 +59,19 @@ lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file
 snaptime: 1733000000
 """
 
-# `find /dev -maxdepth 2 -type c -path '*/nvidia*' -printf '%p %Hr %Lr\n'` on an HGX node.
+# `find /dev -maxdepth 2 -type c -path '*/nvidia*' -exec stat -c '%n %t %T' {} +` on an HGX node (hex majors:minors).
 FIND = """\
-/dev/nvidia0 195 0
-/dev/nvidia1 195 1
-/dev/nvidia7 195 7
-/dev/nvidiactl 195 255
-/dev/nvidia-modeset 195 254
-/dev/nvidia-nvswitchctl 234 255
-/dev/nvidia-nvswitch0 234 0
-/dev/nvidia-uvm 508 0
-/dev/nvidia-uvm-tools 508 1
-/dev/nvidia-caps/nvidia-cap1 509 1
-/dev/nvidia-caps/nvidia-cap2 509 2
+/dev/nvidia0 c3 0
+/dev/nvidia1 c3 1
+/dev/nvidia7 c3 7
+/dev/nvidiactl c3 ff
+/dev/nvidia-modeset c3 fe
+/dev/nvidia-nvswitchctl ea ff
+/dev/nvidia-nvswitch0 ea 0
+/dev/nvidia-uvm 1fc 0
+/dev/nvidia-uvm-tools 1fc 1
+/dev/nvidia-caps/nvidia-cap1 1fd 1
+/dev/nvidia-caps/nvidia-cap2 1fd 2
 """.splitlines()
 
 OWNED = [r"^lxc\.cgroup2?\.devices\.allow: c (195|508|509):", r"^lxc\.mount\.entry: /dev/nvidia"]
@@ -169,7 +169,7 @@ def test_legacy_lines_allow_exact_nodes_and_own_old_majors():
     assert "lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file" in lines
     assert not any("234:" in line or "nvswitch" in line for line in lines)
     # A fake-node directory mounts onto the container's /dev/NAME.
-    fake = f.nvidia_cuda_devices(["/dev/test-gpu/nvidia0 195 0"], "/dev/test-gpu")
+    fake = f.nvidia_cuda_devices(["/dev/test-gpu/nvidia0 c3 0"], "/dev/test-gpu")
     assert f.nvidia_legacy_lines(fake)[1] == "lxc.mount.entry: /dev/test-gpu/nvidia0 dev/nvidia0 none bind,optional,create=file"
     # After a driver upgrade moved nvidia-uvm from major 507, its old allow line is still owned.
     owned = f.nvidia_legacy_owned(devices, [195, 507])

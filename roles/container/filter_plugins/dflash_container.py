@@ -45,7 +45,7 @@ def _as_device(device) -> dict:
 
 
 def nvidia_cuda_devices(find_lines: list[str], dev_dir: str = "/dev", mig: bool = False) -> list[dict]:
-    """The NVIDIA nodes CUDA needs, from `find DIR -maxdepth 2 -type c -printf '%p %Hr %Lr\\n'`.
+    """The NVIDIA nodes CUDA needs, from `stat -c '%n %t %T'` lines (path, hex major, hex minor).
 
     Returns [{path, name (relative to dev_dir, e.g. nvidia-caps/nvidia-cap1), major, minor}] in
     natural order of the name.
@@ -58,7 +58,7 @@ def nvidia_cuda_devices(find_lines: list[str], dev_dir: str = "/dev", mig: bool 
             continue
         name = fields[0][len(prefix):]
         if CUDA_NODE.match(name) or (mig and MIG_NODE.match(name)):
-            devices.append({"path": fields[0], "name": name, "major": int(fields[1]), "minor": int(fields[2])})
+            devices.append({"path": fields[0], "name": name, "major": int(fields[1], 16), "minor": int(fields[2], 16)})
     return sorted(devices, key=lambda d: _natural_key(d["name"]))
 
 
