@@ -20,6 +20,7 @@ def pct(tmp_path, monkeypatch):
     loader.exec_module(module)
     monkeypatch.setattr(module, "STATE", str(tmp_path / "state"))
     monkeypatch.setattr(module, "LXC_PATH", str(tmp_path / "lxc"))
+    monkeypatch.setattr(module, "running", lambda vmid: False)  # not the host's container of the same VMID
     template = tmp_path / "template"
     (template / "etc").mkdir(parents=True)
     (template / "etc" / "os-release").write_text("ID=debian\n")
