@@ -2,20 +2,20 @@
 
 Every run gets its own artifact directory `CACHE/runner/artifacts/<utc time>-<operation>`
 (`CACHE` = `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else `~/.cache/dflash`);
-ansible-runner keeps the newest `keep_artifacts` of them. The project directory is the
-repository (its `ansible.cfg` supplies roles, library and module_utils), found next to
-this package or named by `$DFLASH_PROJECT_DIR`.
+ansible-runner keeps the newest `keep_artifacts` of them. The project directory (playbooks,
+roles, library, module_utils and the `ansible.cfg` that names them) is the one shipped in the
+installed package (`dflash/ops/project/`), else the checkout this package runs from, or the one
+named by `$DFLASH_PROJECT_DIR`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
-import subprocess
+import shutil
 import sys
-import threading
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +26,45 @@ PLAYBOOKS = {"train": "train.yml", "deploy": "deploy.yml", "status": "status.yml
              "logs": "logs.yml"}
 DEFAULT_KEEP_ARTIFACTS = 20
 CONTAINER_GROUP = "dflash_containers"
+# Where the wheel carries the Ansible half (setup.py copies it there at build time).
+PACKAGED_PROJECT = "project"
 
 EventHandler = Callable[[dict[str, Any]], Any]
 
 
+def _is_project(root: Path) -> bool:
+    return (root / "playbooks").is_dir() and (root / "ansible.cfg").is_file()
+
+
 def project_dir() -> Path:
-    """The repository whose `playbooks/` and `ansible.cfg` the operations run."""
+    """The directory whose `playbooks/` and `ansible.cfg` the operations run."""
     configured = os.environ.get("DFLASH_PROJECT_DIR")
-    root = Path(configured) if configured else Path(__file__).resolve().parents[2]
-    if not (root / "playbooks").is_dir() or not (root / "ansible.cfg").is_file():
-        raise BadInput(f"{root} holds no playbooks/ and ansible.cfg: dflash ops runs the playbooks of a dflash "
-                       f"checkout; install the package editable from the repository (pip install -e .) or set "
-                       f"DFLASH_PROJECT_DIR to the repository")
-    return root
+    if configured:
+        if not _is_project(Path(configured)):
+            raise BadInput(f"DFLASH_PROJECT_DIR={configured} holds no playbooks/ and ansible.cfg: point it at a dflash "
+                           f"checkout, or unset it to use the playbooks of the installed package")
+        return Path(configured)
+    packaged = Path(str(resources.files("dflash.ops") / PACKAGED_PROJECT))
+    checkout = Path(__file__).resolve().parents[2]
+    for root in (packaged, checkout):
+        if _is_project(root):
+            return root
+    raise BadInput(f"no playbooks found: neither the installed package ({packaged}) nor a checkout ({checkout}) holds "
+                   f"playbooks/ and ansible.cfg; reinstall dflash-trainer[ops] from a wheel built from the repository, "
+                   f"or set DFLASH_PROJECT_DIR to a dflash checkout")
+
+
+def source_tree(root: Path, into: Path) -> Path | None:
+    """What a deploy syncs into the containers (`dflash/` without `dflash/ops`, `configs/`, `pyproject.toml`),
+    gathered into ``into`` when ``root`` is the installed package's project (it has no `dflash/` beside it);
+    None for a checkout, whose own tree the job role packs."""
+    if (root / "dflash").is_dir():
+        return None
+    package = Path(__file__).resolve().parents[1]
+    shutil.copytree(package, into / "dflash", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "ops"))
+    shutil.copytree(root / "configs", into / "configs")
+    shutil.copy2(root / "pyproject.toml", into / "pyproject.toml")
+    return into
 
 
 def cache_dir() -> Path:
@@ -70,24 +96,35 @@ def check_extravars(extravars: dict[str, Any]) -> dict[str, Any]:
 def _ansible_env(root: Path) -> dict[str, str]:
     return {
         "ANSIBLE_CONFIG": str(root / "ansible.cfg"),
-        # The ansible of this interpreter's environment, even when it is not activated.
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "PATH": _ansible_path(),
         "ANSIBLE_NOCOLOR": "1",
     }
 
 
-def inventory_containers(inventory: Path, limit: str | None = None) -> tuple[list[str], list[str]]:
-    """The hosts of group dflash_containers (after --limit) and ansible's warnings about the inventory."""
+def _ansible_path() -> str:
+    """PATH with the ansible of this interpreter's environment first, even when it is not activated."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def inventory_containers(inventory: Path) -> tuple[list[str], list[str]]:
+    """The hosts of group dflash_containers and ansible's warnings about the inventory (ansible-runner's
+    get_inventory, i.e. `ansible-inventory --list`)."""
+    import ansible_runner
+
     root = project_dir()
-    cmd = ["ansible-inventory", "-i", str(inventory), "--list"] + (["--limit", limit] if limit else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, **_ansible_env(root)},
-                          timeout=120, check=False)
-    warnings = [line.split(":", 1)[1].strip() for line in proc.stderr.splitlines()
-                if line.startswith(("[WARNING]:", "[ERROR]:", "ERROR!"))]
+    if not shutil.which("ansible-inventory", path=_ansible_path()):
+        return [], [f"ansible-inventory is not installed next to {sys.executable}: pip install 'dflash-trainer[ops]'"]
+    # get_inventory looks the command up in this process's PATH.
+    os.environ["PATH"] = _ansible_path()
     try:
-        groups = json.loads(proc.stdout)
-    except ValueError:
-        return [], warnings or [proc.stderr.strip() or f"ansible-inventory exited with {proc.returncode}"]
+        groups, errors = ansible_runner.get_inventory("list", [str(inventory)], response_format="json", quiet=True,
+                                                      envvars=_ansible_env(root), timeout=120)
+    except Exception as exc:  # noqa: BLE001 - the explanation of a failed run must not fail itself
+        return [], [f"ansible-inventory failed: {exc}"]
+    warnings = [line.split(":", 1)[1].strip() for line in (errors or "").splitlines()
+                if line.startswith(("[WARNING]:", "[ERROR]:", "ERROR!"))]
+    if not isinstance(groups, dict):
+        return [], warnings or [(errors or "").strip() or "ansible-inventory printed no inventory"]
 
     def hosts(group: str, seen: set[str]) -> list[str]:
         if group in seen:
@@ -103,73 +140,74 @@ def inventory_containers(inventory: Path, limit: str | None = None) -> tuple[lis
 
 
 class OpsRun:
-    """One playbook run in progress (see :func:`start`)."""
+    """One playbook run in progress (see :func:`start`): ansible-runner's ``run_async`` thread and Runner."""
 
     def __init__(self, operation: str, playbook: str, inventory: Path, limit: str | None, kwargs: dict[str, Any],
                  collector: EventCollector, artifact_dir: Path) -> None:
+        import ansible_runner
+
         self.operation, self.playbook, self.inventory, self.limit = operation, playbook, inventory, limit
         self.collector = collector
         self.artifact_dir = artifact_dir
-        self._cancelled = threading.Event()
+        self._cancelled = False
+        self._thread: Any = None
         self._runner: Any = None
         self._exception: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(kwargs,), name=f"dflash-ops-{operation}", daemon=True)
-        self._thread.start()
-
-    def _run(self, kwargs: dict[str, Any]) -> None:
-        import ansible_runner
-
         try:
-            self._runner = ansible_runner.run(cancel_callback=self._cancelled.is_set, **kwargs)
-        except BaseException as exc:  # reported by wait()
+            self._thread, self._runner = ansible_runner.run_async(cancel_callback=lambda: self._cancelled, **kwargs)
+        except Exception as exc:  # a configuration ansible-runner refuses: reported by wait()
             self._exception = exc
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._thread is None or not self._thread.is_alive()
 
     def cancel(self) -> None:
         """Stop the playbook (ansible-playbook is terminated; a launched unit keeps running)."""
-        self._cancelled.set()
+        self._cancelled = True
 
     def wait(self, timeout: float | None = None) -> OpsResult | None:
         """The result once the run ends; None if ``timeout`` passed first. Ctrl-C cancels the run."""
-        try:
-            self._thread.join(timeout)
-        except KeyboardInterrupt:
-            self.cancel()
-            self._thread.join()
-            raise
-        if self._thread.is_alive():
-            return None
+        if self._thread is not None:
+            try:
+                self._thread.join(timeout)
+            except KeyboardInterrupt:
+                self.cancel()
+                self._thread.join()
+                raise
+            if self._thread.is_alive():
+                return None
         return self.result()
 
     def result(self) -> OpsResult:
         inventory = str(self.inventory)
-        if self._exception is not None:
-            return self.collector.result(self.operation, self.playbook, inventory, "failed", None,
-                                         str(self.artifact_dir), error=f"ansible-runner failed: {self._exception}")
         runner = self._runner
+        if self._exception is not None or runner is None or runner.status in ("unstarted", "starting", "running"):
+            why = self._exception or "it ended without a final status (see the run's artifacts)"
+            return self.collector.result(self.operation, self.playbook, inventory, "failed", None,
+                                         str(self.artifact_dir), error=f"ansible-runner failed: {why}")
         error, bad_input = None, False
         if runner.status == "canceled":
             error = "canceled (a unit that was already launched keeps running)"
         elif not self.collector.containers:
             # No task ran on any host: explain from the inventory itself.
-            hosts, warnings = inventory_containers(self.inventory, self.limit)
-            if not hosts:
-                error, bad_input = _no_containers(inventory, self.limit, warnings), True
-            elif runner.status != "successful":
-                error = _stdout_error(self.artifact_dir)
+            hosts, warnings = inventory_containers(self.inventory)
+            error = _stdout_error(self.artifact_dir) if runner.status != "successful" else None
+            unmatched = bool(self.limit) and (self.collector.no_hosts_matched or "no hosts" in (error or ""))
+            if not hosts or unmatched:
+                error, bad_input = _no_containers(inventory, self.limit, hosts, warnings), True
         return self.collector.result(self.operation, self.playbook, inventory, runner.status, runner.rc,
                                      str(self.artifact_dir), error=error, bad_input=bad_input)
 
 
-def _no_containers(inventory: str, limit: str | None, warnings: list[str]) -> str:
-    where = f" matching --limit {limit!r}" if limit else ""
+def _no_containers(inventory: str, limit: str | None, hosts: list[str], warnings: list[str]) -> str:
+    if hosts and limit:
+        return (f"inventory {inventory} has no hosts in group {CONTAINER_GROUP} matching --limit {limit!r} "
+                f"(its hosts: {', '.join(hosts)}); check --limit")
     parsed = [w for w in warnings if "parse" in w.lower()]
     why = f" (ansible: {parsed[0]})" if parsed else ""
-    fix = "check --limit" if limit else "name the training containers there (see inventories/local/hosts.yml)"
-    return f"inventory {inventory} has no hosts in group {CONTAINER_GROUP}{where}{why}; {fix}"
+    return (f"inventory {inventory} has no hosts in group {CONTAINER_GROUP}{why}; name the training containers "
+            f"there (see inventories/local/hosts.yml)")
 
 
 def _stdout_error(artifact_dir: Path) -> str | None:
@@ -210,6 +248,12 @@ def start(operation: str, inventory: str | os.PathLike[str], *, extravars: dict[
                 print(f"dflash ops: progress handler failed: {exc!r}", file=sys.stderr)
         return True  # keep the event in the artifacts (job_events/)
 
+    if operation in ("train", "deploy") and "dflash_job_source_dir" not in extravars:
+        source = source_tree(root, private_data_dir / "sources" / ident)
+        if source is not None:
+            extravars["dflash_job_source_dir"] = str(source)
+            for old in sorted((private_data_dir / "sources").iterdir())[:-keep_artifacts] if keep_artifacts else []:
+                shutil.rmtree(old, ignore_errors=True)
     envvars = _ansible_env(root)
     kwargs: dict[str, Any] = {
         "private_data_dir": str(private_data_dir),
