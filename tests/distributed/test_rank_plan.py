@@ -162,7 +162,9 @@ def test_torchrun_command_single_node_and_rendezvous(tiny_dict, monkeypatch):
     monkeypatch.setenv("DFLASH_MASTER_ADDR", "10.0.0.5")
     apply_rendezvous_env(cfg)
     cmd = " ".join(torchrun_command(cfg, "run.yaml", [], 2))
-    assert "--nnodes 2 --node-rank 1 --master-addr 10.0.0.5 --master-port 29512" in cmd
+    # static rendezvous on node 0's c10d store: the node ranks stay as given; the run id names the store's keys
+    assert ("--nnodes 2 --node-rank 1 --rdzv-backend static --rdzv-endpoint 10.0.0.5:29512 --rdzv-id dflash "
+            "--rdzv-conf timeout=600") in cmd
     assert "--standalone" not in cmd
     monkeypatch.setenv("DFLASH_NODE_RANK", "x")
     with pytest.raises(BadInput, match="DFLASH_NODE_RANK='x' is not an integer"):
