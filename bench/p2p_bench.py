@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import load_config
+from dflash.data.buckets import BatchShape
 from dflash.distributed.transfer import Slot, TransferLayout
 from dflash.models.target import DTYPES
 
@@ -33,8 +34,7 @@ def layout_for(config_path: str, num_layers: int | None) -> TransferLayout:
     if hidden is None:
         raise SystemExit("p2p_bench: the config needs target.random_init.hidden_size (the feature width)")
     taps = num_layers or c.drafter.num_layers
-    return TransferLayout.for_config(c.data.token_budget, c.data.bucket_size, c.data.max_length, taps * hidden,
-                                     DTYPES[c.target.dtype])
+    return TransferLayout.for_batches(BatchShape.of(c.data), taps * hidden, DTYPES[c.target.dtype])
 
 
 def main() -> int:

@@ -1,14 +1,20 @@
-"""Atomic checkpoints: temp dir, fsync, rename; keep the last N; a `latest` pointer; verified on load."""
+"""Atomic checkpoints: temp dir, fsync, rename; keep the last N; a `latest` pointer; verified on load.
+
+The manager is given the run's stateful parts (torchtitan's `CheckpointManager` is the model): the drafter
+(saved in the export layout, config.json + model.safetensors) and named objects with `state_dict()` /
+`load_state_dict()` (optimizer, scheduler, sampler, RNG), stored under their names in trainer_state.pt beside
+the train state's own keys (step, config). `save_state(step)` writes them all, `load_state(path)` restores them.
+"""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
+import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -16,8 +22,10 @@ from dflash.errors import BadInput, DiskFull
 from dflash.fileio import fsync_path as _fsync_path
 from dflash.fileio import out_of_space
 from dflash.fileio import sha256_file as _sha256
+from dflash.logs import get_logger
+from dflash.models.drafter import Drafter, check_resumable
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
@@ -41,10 +49,69 @@ def ensure_writable(directory: str | os.PathLike) -> Path:
     return directory
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class RNGState:
+    """The torch (CPU), Python and CUDA generators, as plain lists: trainer_state.pt loads with weights_only."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss_next = random.getstate()
+        return {"torch": torch.random.get_rng_state(), "python": [version, list(internal), gauss_next],
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.random.set_rng_state(state["torch"])
+        version, internal, gauss_next = state["python"]  # a list, or an older checkpoint's getstate() tuple
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss_next))
+        if state.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class CheckpointManager:
-    def __init__(self, directory: str | os.PathLike, keep_last: int = 3):
+    def __init__(self, directory: str | os.PathLike, keep_last: int = 3, model: Drafter | None = None,
+                 states: dict[str, Stateful] | None = None, train_state: Stateful | None = None):
+        """`model`, `states` and `train_state` (its keys at the top level: step, config) are what
+        `save_state`/`load_state` write and restore; without them the manager only keeps directories."""
         self.dir = Path(directory)
         self.keep_last = keep_last
+        self.model = model
+        self.states = dict(states or {})
+        self.train_state = train_state
+
+    def save_state(self, step: int) -> Path:
+        """A checkpoint of step `step` holding the model and every state (the order of restore is theirs)."""
+        state = {**(self.train_state.state_dict() if self.train_state is not None else {}),
+                 **{name: part.state_dict() for name, part in self.states.items()}}
+
+        def write(tmp: Path) -> None:
+            if self.model is not None:
+                self.model.save(tmp)
+            save_trainer_state(tmp, state)
+
+        return self.save(step, write)
+
+    def load_state(self, path: Path) -> dict[str, Any]:
+        """Restore the model (refusing a differently shaped one), then every state in the order given;
+        returns the raw trainer state."""
+        if self.model is not None:
+            loaded = Drafter.load(path, device=next(self.model.parameters()).device)
+            check_resumable(loaded.arch, self.model.arch, path)
+            self.model.load_state_dict(loaded.state_dict())
+        state = load_trainer_state(path)
+        missing = [name for name in self.states if name not in state]
+        if missing:
+            raise BadInput(f"checkpoint {path} holds no {', '.join(missing)} state (not a dflash training "
+                           "checkpoint of this version): start a new output_dir, or continue from its drafter with "
+                           "drafter.init_from")
+        for name, part in self.states.items():
+            part.load_state_dict(state[name])
+        if self.train_state is not None:
+            self.train_state.load_state_dict(state)
+        return state
 
     def path_for(self, step: int) -> Path:
         return self.dir / f"{PREFIX}{step:08d}"

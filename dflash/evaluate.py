@@ -202,9 +202,10 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
              num_prompts: int, max_new_tokens: int, as_json: bool, out: str | None = None,
              thinking: str = "keep") -> int:
     from dflash.config import load_config, resolved_layer_ids
+    from dflash.devices import pick_device
     from dflash.export import resolve_checkpoint
+    from dflash.inputs import load_datasets, load_tokenizer
     from dflash.models.target import build_hf_model, num_layers_of
-    from dflash.train import load_datasets, load_tokenizer, pick_device
 
     config = load_config(config_path, overrides)
     source = resolve_checkpoint(drafter_path)

@@ -10,6 +10,9 @@ from typing import Any
 
 from dflash.errors import DiskFull
 from dflash.fileio import NO_SPACE, append_line, temp_sibling
+from dflash.logs import get_logger
+
+log = get_logger(__name__)
 
 
 def atomic_write_json(path: Path, data: dict[str, Any]) -> None:
@@ -77,7 +80,7 @@ class RunObserver:
             line += f" mfu {record['mfu']:.1%}"
         if record.get("input_frac") is not None:
             line += f" input {record['input_frac']:.0%}"
-        print(line, flush=True)
+        log.info(line)
         _append_record(self.metrics_path, {**record, "time": time.time()})
         if self._tb is not None:
             step = record["step"]
@@ -101,7 +104,7 @@ class RunObserver:
 
     def event(self, message: str) -> None:
         if self.enabled:
-            print(message, flush=True)
+            log.info(message)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         if self._tb is not None:

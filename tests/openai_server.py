@@ -182,8 +182,8 @@ def main() -> None:  # pragma: no cover - manual use
     import argparse
 
     from dflash.config import load_config
+    from dflash.inputs import load_tokenizer
     from dflash.models.target import build_hf_model
-    from dflash.train import load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config")

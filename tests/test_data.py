@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dflash.data.buckets import RoundRobinBatchSampler, bucket_length, collate
+from dflash.data.buckets import BatchShape, RoundRobinBatchSampler, bucket_length, collate
 from dflash.data.chat import load_tokenized, read_jsonl, tokenize_conversation
 from dflash.data.synthetic import build_tokenizer, generate_conversations
 from dflash.errors import DataError
@@ -75,7 +75,7 @@ def test_tokenized_cache_reused_and_short_samples_dropped(tmp_path, tok):
 
 def test_buckets_round_robin_gives_rare_lengths_their_share():
     lengths = [16] * 400 + [64] * 8  # a rare long bucket
-    s = RoundRobinBatchSampler(lengths, token_budget=64, bucket_size=16, max_length=64, seed=0)
+    s = RoundRobinBatchSampler(lengths, BatchShape(token_budget=64, bucket_size=16, max_length=64), seed=0)
     batches = s.epoch_batches(0)
     # budget 64: 4 short sequences or 1 long per batch; the 8 long batches come in the first 16 draws
     first16 = [blen for blen, _ in batches[:16]]
@@ -86,12 +86,12 @@ def test_buckets_round_robin_gives_rare_lengths_their_share():
 
 def test_sampler_resume_continues_exactly():
     lengths = [10, 20, 30, 40] * 10
-    a = RoundRobinBatchSampler(lengths, 64, 16, 64, seed=3)
+    a = RoundRobinBatchSampler(lengths, BatchShape(64, 16, 64), seed=3)
     seq = [a.next() for _ in range(30)]
-    b = RoundRobinBatchSampler(lengths, 64, 16, 64, seed=3)
+    b = RoundRobinBatchSampler(lengths, BatchShape(64, 16, 64), seed=3)
     for _ in range(11):
         b.next()
-    c = RoundRobinBatchSampler(lengths, 64, 16, 64, seed=3)
+    c = RoundRobinBatchSampler(lengths, BatchShape(64, 16, 64), seed=3)
     c.load_state_dict(b.state_dict())
     assert [c.next() for _ in range(19)] == seq[11:]
     assert seq[-1][0] >= 1  # crossed into another epoch
@@ -99,7 +99,7 @@ def test_sampler_resume_continues_exactly():
 
 def test_sampler_shards_batches_evenly_across_ranks():
     lengths = [16] * 50
-    shards = [RoundRobinBatchSampler(lengths, 64, 16, 64, seed=0, rank=r, world_size=3).epoch_batches(0)
+    shards = [RoundRobinBatchSampler(lengths, BatchShape(64, 16, 64), seed=0, rank=r, world_size=3).epoch_batches(0)
               for r in range(3)]
     assert len({len(s) for s in shards}) == 1
     seen = [i for s in shards for _, idx in s for i in idx]

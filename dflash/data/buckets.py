@@ -12,6 +12,38 @@ def bucket_length(length: int, bucket_size: int, max_length: int) -> int:
     return min(max_length, math.ceil(length / bucket_size) * bucket_size)
 
 
+@dataclass(frozen=True)
+class BatchShape:
+    """The batching rule (data.token_budget, data.bucket_size, data.max_length): a sequence goes to the bucket
+    of its length rounded up to bucket_size, and a batch of that bucket holds token_budget // length rows.
+    The sampler cuts batches by it and the transfer buffers are sized by its bounds (`max_rows`, `max_tokens`)."""
+
+    token_budget: int
+    bucket_size: int
+    max_length: int
+
+    @classmethod
+    def of(cls, data) -> BatchShape:
+        """From the run config's `data` section."""
+        return cls(data.token_budget, data.bucket_size, data.max_length)
+
+    def bucket_length(self, length: int) -> int:
+        return bucket_length(length, self.bucket_size, self.max_length)
+
+    def rows(self, bucket_len: int) -> int:
+        return max(1, self.token_budget // bucket_len)
+
+    @property
+    def max_rows(self) -> int:
+        """Rows of the largest batch: that of the shortest bucket."""
+        return self.rows(min(self.bucket_size, self.max_length))
+
+    @property
+    def max_tokens(self) -> int:
+        """Padded tokens of the largest batch (one row of max_length may exceed the budget)."""
+        return max(self.token_budget, self.max_length)
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (b, L) padded to the bucket length
@@ -39,21 +71,26 @@ class RoundRobinBatchSampler:
     straddles two epochs and any split of a global batch over ranks and micro-batches reads the same data.
     """
 
-    def __init__(self, lengths: list[int], token_budget: int, bucket_size: int, max_length: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, multiple_of: int = 1):
-        self.token_budget = token_budget
+    def __init__(self, lengths: list[int], shape: BatchShape, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 multiple_of: int = 1):
+        self.shape = shape
         self.seed = seed
         self.rank, self.world_size = rank, world_size
         self.multiple_of = multiple_of
         self.buckets: dict[int, list[int]] = {}
         for i, n in enumerate(lengths):
-            self.buckets.setdefault(bucket_length(n, bucket_size, max_length), []).append(i)
+            self.buckets.setdefault(shape.bucket_length(n), []).append(i)
         self.epoch = 0
         self.index = 0  # batches of this epoch already consumed by this rank
         self._cache: tuple[int, list[tuple[int, list[int]]]] | None = None
 
-    def batch_size(self, bucket_len: int) -> int:
-        return max(1, self.token_budget // bucket_len)
+    @property
+    def max_rows(self) -> int:
+        return self.shape.max_rows
+
+    @property
+    def max_tokens(self) -> int:
+        return self.shape.max_tokens
 
     def epoch_batches(self, epoch: int) -> list[tuple[int, list[int]]]:
         """[(bucket_length, indices)] for this rank, in visiting order."""
@@ -64,7 +101,7 @@ class RoundRobinBatchSampler:
         for blen in sorted(self.buckets):
             members = self.buckets[blen]
             perm = [members[j] for j in torch.randperm(len(members), generator=g).tolist()]
-            bs = self.batch_size(blen)
+            bs = self.shape.rows(blen)
             queues.append([(blen, perm[i:i + bs]) for i in range(0, len(perm), bs)])
         order = []
         while any(queues):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +13,9 @@ import torch
 
 from dflash.errors import DataError
 from dflash.fileio import sha256_file, temp_sibling
+from dflash.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "model": "assistant", "chatgpt": "assistant", "bing": "assistant", "system": "system",

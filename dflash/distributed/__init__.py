@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 from datetime import timedelta
 
@@ -25,6 +24,9 @@ from dflash.distributed.topology import (
     uses_cuda,
 )
 from dflash.errors import BadInput
+from dflash.logs import get_logger, set_reporter
+
+log = get_logger(__name__)
 
 PEER_FAILURE_DELAY_S = 2.0
 
@@ -63,10 +65,12 @@ def _run_rank(config: RunConfig) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    from dflash import stop
     from dflash.distributed.ranks import run_colocated, run_disaggregated
 
     plan = plan_ranks(config.topology)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    set_reporter(rank == plan.reporter)  # one copy of each job-wide line
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world != plan.world_size or local_world != plan.nproc_per_node:
         raise BadInput(f"torchrun started {world} processes ({local_world} on this node) but the topology needs "
@@ -83,19 +87,15 @@ def _run_rank(config: RunConfig) -> dict | None:
     backend = backend_for(config)
     timeout = timedelta(seconds=config.topology.timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    if rank == plan.reporter:
-        print(f"distributed: {config.topology.mode}, {plan.world_size} ranks ({backend}), "
-              f"{len(plan.drafter_ranks)} drafter rank(s)"
-              + (f", {len(plan.target_ranks)} target rank(s)" if plan.disaggregated else "")
-              + f"; this is {plan.describe(rank)} on {device}", flush=True)
+    log.info(f"distributed: {config.topology.mode}, {plan.world_size} ranks ({backend}), "
+             f"{len(plan.drafter_ranks)} drafter rank(s)"
+             + (f", {len(plan.target_ranks)} target rank(s)" if plan.disaggregated else "")
+             + f"; this is {plan.describe(rank)} on {device}")
     if plan.disaggregated:
         result = run_disaggregated(config, plan, rank, device)
     else:
         result = run_colocated(config, plan, rank, device)
-    # the work is done: a stop signal now must not turn a clean exit into death by signal (CPython
-    # restores the default handlers while the interpreter shuts down)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
+    stop.finished()  # a stop signal now must not turn a clean exit into death by signal
     dist.destroy_process_group()
     return result if rank == plan.reporter else None
 

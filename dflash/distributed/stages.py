@@ -13,22 +13,16 @@ the drafter ranks (`transfer.py`):
 
 Stage s runs the backbone's own forward (rotary embeddings, causal and linear-attention masks) over its
 layer range: stage 0 from the token ids, later stages from `inputs_embeds` = the incoming hidden state.
+An unsplit target rank is stage 0 of 1 (`ranks.run_target_rank` is the one loop of every target rank).
 """
 
 from __future__ import annotations
 
-import signal
-from datetime import timedelta
-
 import torch
 from torch import nn
 
-from dflash.config import RunConfig
-from dflash.data.buckets import collate
-from dflash.distributed.topology import RankPlan
-from dflash.distributed.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
 from dflash.errors import BadInput
-from dflash.models.target import _find_layers, _StopForward, _text_config, build_hf_model, kernels_importable
+from dflash.models.target import FastPathReport, StopForward, fast_path_report, find_layers, text_config_of
 
 
 def stage_bounds(deepest_layer: int, stages: int) -> list[tuple[int, int]]:
@@ -53,9 +47,9 @@ class TargetStage(nn.Module):
     def __init__(self, model: nn.Module, layer_ids: list[int], start: int, stop: int, keep_embedding: bool,
                  keep_head: bool):
         super().__init__()
-        text_config = _text_config(model.config)
+        text_config = text_config_of(model.config)
         self.hidden_size = int(text_config.hidden_size)
-        name, layers = _find_layers(model, int(text_config.num_hidden_layers))
+        name, layers = find_layers(model, int(text_config.num_hidden_layers))
         owner, _, leaf = name.rpartition(".")
         self.backbone = model.get_submodule(owner) if owner else model
         setattr(self.backbone, leaf, nn.ModuleList(list(layers)[start:stop]))  # the other layers are freed
@@ -74,6 +68,8 @@ class TargetStage(nn.Module):
         self.model = model.eval().requires_grad_(False)
         self._captured: dict[int, torch.Tensor] = {}
         kept = getattr(self.backbone, leaf)
+        self.layers = kept  # what `dflash.compile.compile_target_layers` compiles
+        self.num_layers = int(text_config.num_hidden_layers)
         for i in self.tapped:
             kept[i - start].register_forward_hook(self._hook(i, stop_after=False))
         kept[len(kept) - 1].register_forward_hook(self._hook(stop - 1, stop_after=True))
@@ -83,7 +79,7 @@ class TargetStage(nn.Module):
             hidden = output[0] if isinstance(output, tuple) else output
             if stop_after:
                 self._captured[-1] = hidden
-                raise _StopForward
+                raise StopForward
             self._captured[index] = hidden
 
         return hook
@@ -101,20 +97,37 @@ class TargetStage(nn.Module):
         return self._head
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                hidden_in: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def features(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                 hidden_in: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         self._captured.clear()
         try:
             if self.first:
                 self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             else:
                 self.backbone(inputs_embeds=hidden_in, attention_mask=attention_mask, use_cache=False)
-        except _StopForward:
+        except StopForward:
             pass
         out = self._captured.pop(-1)  # a tapped last layer was captured by its own hook too
         taps = [self._captured[i] for i in self.tapped]
         self._captured.clear()
         return out, taps
+
+    def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                hidden_in: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.features(input_ids, attention_mask, hidden_in)
+
+    def fast_path_report(self) -> FastPathReport:
+        """As `Target.fast_path_report`, for this stage's layers (probed with a forward of its own input)."""
+        device = next(self.parameters()).device
+
+        def probe() -> None:
+            if self.first:
+                self.features(torch.randint(0, self.embed_tokens.weight.shape[0], (1, 64), device=device), None)
+            else:
+                dtype = next(self.parameters()).dtype
+                self.features(None, None, torch.zeros(1, 64, self.hidden_size, device=device, dtype=dtype))
+
+        return fast_path_report(self.model, self.num_layers, probe)
 
 
 def _drop_attribute_holding(owner: nn.Module, module: nn.Module | None) -> None:
@@ -125,94 +138,3 @@ def _drop_attribute_holding(owner: nn.Module, module: nn.Module | None) -> None:
         for key, child in list(parent.named_children()):
             if child is module:
                 setattr(parent, key, None)
-
-
-def run_target_stage(config: RunConfig, plan: RankPlan, rank: int, device: torch.device, head_group,
-                     dtype: torch.dtype, timeout: timedelta) -> None:
-    """One stage of a layer-split target replica (topology.target_stages > 1)."""
-    from dflash.distributed.ranks import _broadcast_object, check_fault, drafter_samplers, share_frozen_head
-    from dflash.train import Trainer, check_token_range
-
-    signal.signal(signal.SIGTERM, lambda *_: None)  # the drafter ranks decide when to stop (STOP credits)
-    signal.signal(signal.SIGINT, lambda *_: None)
-    c = config
-    stages = plan.target_stages
-    replica, stage = plan.replica_of(rank), plan.stage_of(rank)
-    chain = plan.replica_ranks(replica)
-    trainer = Trainer(c, is_reporter=False, device=device).setup(with_target=False, with_drafter=False)
-    bounds = stage_bounds(max(trainer.layer_ids), stages)
-    start, stop = bounds[stage]
-    # built on the CPU, then only this stage's layers move to the GPU; a random init is thus the same as
-    # an unsplit target's on the CPU, and a checkpoint is read once per stage
-    model = build_hf_model(c.target.path, c.target.random_init, c.target.dtype, c.target.attn_implementation,
-                           seed=c.seed, device="cpu")
-    part = TargetStage(model, trainer.layer_ids, start, stop, keep_embedding=stage == 0,
-                       keep_head=rank == plan.target_ranks[0]).to(device)
-    del model
-    if stage == 0:
-        check_token_range(trainer.train_set, part.embed_tokens.weight.shape[0])
-    linear = sum(1 for m in part.modules() if "GatedDeltaNet" in type(m).__name__)
-    if linear and device.type == "cuda" and not all(kernels_importable()) and not c.target.allow_slow_path:
-        raise BadInput(f"target stage {stage}: {linear} GatedDeltaNet layers would run on the slow PyTorch path; "
-                       "install flash-linear-attention and causal-conv1d or set target.allow_slow_path=true")
-    hidden = part.hidden_size
-    info = _broadcast_object(None, plan.reporter)
-    if rank == plan.target_ranks[0]:
-        share_frozen_head(part, head_group, rank, rank, device, dtype)
-    accum, drafters = c.optim.grad_accum, len(plan.drafter_ranks)
-    schedule = ItemSchedule(plan.producers, plan.drafter_ranks, info["step"] * accum,
-                            (info["total_steps"] - info["step"]) * accum)
-    mine = [(d, n) for d, n, producer in schedule.items() if producer == chain[-1]]
-    inflight = c.topology.max_inflight
-
-    def link_layout(s: int) -> TransferLayout:  # stage s -> s + 1: hidden + the taps of layers < stop_s
-        taps = sum(1 for i in trainer.layer_ids if i < bounds[s][1])
-        return TransferLayout.for_config(c.data.token_budget, c.data.bucket_size, c.data.max_length,
-                                         (1 + taps) * hidden, dtype)
-
-    def link(s: int) -> ItemSchedule:
-        return ItemSchedule((chain[s],), (chain[s + 1],), 0, len(mine))
-
-    up = (FeatureConsumer(link(stage - 1), 0, link_layout(stage - 1), inflight, device, timeout)
-          if stage > 0 else None)
-    last = stage == stages - 1
-    if last:
-        down = FeatureProducer(schedule, rank, TransferLayout.for_config(
-            c.data.token_budget, c.data.bucket_size, c.data.max_length, len(trainer.layer_ids) * hidden, dtype),
-            inflight, device, timeout)
-    else:
-        down = FeatureProducer(link(stage), rank, link_layout(stage), inflight, device, timeout)
-    print(f"{plan.describe(rank)}: layers {start}..{stop - 1} of replica {replica}, {len(mine)} micro-batches "
-          f"from step {info['step']}", flush=True)
-
-    if stage == 0:
-        pad = trainer.tokenizer.pad_token_id or 0
-        samplers = drafter_samplers(c, trainer.train_set, drafters, info["sampler"])
-
-        def inputs():
-            for d, n, producer in schedule.items():
-                epoch, blen, idx = samplers[d].next()
-                if producer == chain[-1]:
-                    yield d, n, epoch, collate(trainer.train_set.samples, idx, blen, pad).to(device), None
-    else:
-        def inputs():
-            for d, n in mine:
-                epoch, batch, features = up.receive()
-                yield d, n, epoch, batch, features
-
-    for k, (d, n, epoch, batch, features) in enumerate(inputs()):
-        check_fault(rank, info["step"] + n // accum)
-        hidden_in = features[..., :hidden] if features is not None else None
-        out, taps = part(batch.input_ids, batch.attention_mask, hidden_in)
-        earlier = [features[..., hidden:]] if features is not None and features.shape[-1] > hidden else []
-        if last:
-            payload, item, dst = torch.cat([*earlier, *taps], dim=-1), n, d
-        else:
-            payload, item, dst = torch.cat([out, *earlier, *taps], dim=-1), k, 0
-        if not down.wants(dst, item):
-            break
-        down.send(dst, item, epoch, batch, payload)
-    down.finish()
-    if up is not None:
-        up.finish()
-    print(f"{plan.describe(rank)}: sent {down.sent} micro-batches", flush=True)

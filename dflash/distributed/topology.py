@@ -150,16 +150,12 @@ def _size(nbytes: float) -> str:
 
 def target_weight_bytes(config: RunConfig) -> int | None:
     """Size of the target's weights from its config alone (built on the meta device; nothing is loaded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from dflash.models.target import DTYPES
+    from dflash.models.target import DTYPES, target_config
 
     try:
-        if config.target.random_init is not None:
-            spec = dict(config.target.random_init)
-            tcfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
-        else:
-            tcfg = AutoConfig.from_pretrained(config.target.path, local_files_only=True)
+        tcfg = target_config(config.target.path, config.target.random_init)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(tcfg)
     except Exception:  # noqa: BLE001 - an estimate only; loading reports real problems later

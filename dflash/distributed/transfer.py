@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dflash.data.buckets import Batch
+from dflash.data.buckets import Batch, BatchShape
 
 META = 4
 TAG_META, TAG_TOKENS, TAG_FEATURES, TAG_CREDIT = 11, 12, 13, 14
@@ -44,11 +44,9 @@ class TransferLayout:
     feature_dtype: torch.dtype
 
     @classmethod
-    def for_config(cls, token_budget: int, bucket_size: int, max_length: int, feature_dim: int,
-                   feature_dtype: torch.dtype) -> TransferLayout:
-        # a batch holds token_budget // bucket_length rows (at least 1); the shortest bucket bounds the rows
-        shortest = min(bucket_size, max_length)
-        return cls(max(1, token_budget // shortest), max(token_budget, max_length), feature_dim, feature_dtype)
+    def for_batches(cls, shape: BatchShape, feature_dim: int, feature_dtype: torch.dtype) -> TransferLayout:
+        """Buffers for the largest batch the sampler cuts (the batching rule's bounds)."""
+        return cls(shape.max_rows, shape.max_tokens, feature_dim, feature_dtype)
 
     def bytes_per_item(self) -> int:
         fsize = torch.empty((), dtype=self.feature_dtype).element_size()

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.errors import BadInput
 from dflash.models.attention import AttentionBackend
+from dflash.models.target import check_rope, rope_of
 
 
 @dataclass
@@ -251,7 +253,8 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
     head_dim = getattr(tc, "head_dim", None) or hidden // tc.num_attention_heads
     if num_attention_heads is not None:
         head_dim = hidden // heads
-    rope = getattr(tc, "rope_parameters", None) or {}
+    rope = rope_of(tc)
+    check_rope(rope)
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta or getattr(tc, "rope_theta", None) or 1_000_000.0
     return DrafterArch(
@@ -271,3 +274,19 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
         num_target_layers=tc.num_hidden_layers,
     )
 
+
+RESUME_KEYS = {"num_hidden_layers": "drafter.num_layers", "block_size": "drafter.block_size",
+               "target_layer_ids": "target.layer_ids", "mask_token_id": "drafter.mask_token_id",
+               "intermediate_size": "drafter.intermediate_size", "num_attention_heads": "drafter.num_attention_heads",
+               "num_key_value_heads": "drafter.num_key_value_heads", "hidden_size": "the target's hidden_size",
+               "head_dim": "the target's head_dim", "vocab_size": "the target's vocab_size"}
+
+
+def check_resumable(saved: DrafterArch, current: DrafterArch, path: Any) -> None:
+    """A checkpoint of a differently shaped drafter cannot be resumed: name the config key."""
+    for field_name, key in RESUME_KEYS.items():
+        old, new = getattr(saved, field_name), getattr(current, field_name)
+        if (list(old) if isinstance(old, list | tuple) else old) != (
+                list(new) if isinstance(new, list | tuple) else new):
+            raise BadInput(f"{key} is {new} but the checkpoint {path} was trained with {old}; a changed "
+                           f"drafter cannot resume: use a new output_dir (or set {key.split(' (')[0]} back)")

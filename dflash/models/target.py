@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class _StopForward(Exception):
+class StopForward(Exception):
     """Raised by the hook of the deepest tapped layer: nothing after it is needed."""
 
 
@@ -68,14 +68,14 @@ def kernels_importable() -> tuple[bool, bool]:
     return _importable("fla"), _importable("causal_conv1d")
 
 
-def _find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
+def find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
     for name, module in model.named_modules():
         if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == num_layers:
             return name, module
     raise BadInput(f"cannot find the decoder layer list ({num_layers} layers) in {type(model).__name__}")
 
 
-def _text_config(config: Any) -> Any:
+def text_config_of(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
@@ -89,11 +89,11 @@ class Target(nn.Module):
     def __init__(self, model: nn.Module, layer_ids: list[int]):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
-        text_config = _text_config(model.config)
+        text_config = text_config_of(model.config)
         self.num_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(text_config.hidden_size)
         self.layer_ids = sorted(layer_ids)
-        layers_name, self.layers = _find_layers(model, self.num_layers)
+        layers_name, self.layers = find_layers(model, self.num_layers)
         owner_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
         self.backbone = model.get_submodule(owner_name) if owner_name else model
         self._captured: dict[int, torch.Tensor] = {}
@@ -107,7 +107,7 @@ class Target(nn.Module):
             hidden = output[0] if isinstance(output, tuple) else output
             self._captured[index] = hidden
             if deepest and self._stop_early:
-                raise _StopForward
+                raise StopForward
 
         return hook
 
@@ -146,7 +146,7 @@ class Target(nn.Module):
         self._captured.clear()
         try:
             self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        except _StopForward:
+        except StopForward:
             pass
         missing = [i for i in self.layer_ids if i not in self._captured]
         if missing:  # pragma: no cover - would mean the model skipped layers
@@ -156,35 +156,75 @@ class Target(nn.Module):
         return out
 
     def linear_attention_layers(self) -> int:
-        return sum(1 for m in self.model.modules() if "GatedDeltaNet" in type(m).__name__)
+        return linear_attention_layers(self.model)
 
     def fast_path_report(self, probe_on_device: bool = True) -> FastPathReport:
-        linear = self.linear_attention_layers()
-        fla_ok, conv_ok = kernels_importable()
-        report = FastPathReport(hybrid=linear > 0, linear_layers=linear, total_layers=self.num_layers,
-                                fla_importable=fla_ok, causal_conv1d_importable=conv_ok)
-        device = self.embed_tokens.weight.device
-        if report.hybrid and probe_on_device and device.type == "cuda":
-            report.kernels_seen = self._probe_kernels(device)
-            report.checked_on_device = True
-        return report
+        def probe() -> None:
+            self.features(torch.randint(0, self.vocab_size, (1, 64), device=self.embed_tokens.weight.device))
 
-    def _probe_kernels(self, device: torch.device) -> list[str]:
-        """Run one small forward under the profiler and list the fast linear-attention kernels that ran."""
-        from torch.profiler import ProfilerActivity, profile
+        return fast_path_report(self.model, self.num_layers, probe if probe_on_device else None)
 
-        ids = torch.randint(0, self.vocab_size, (1, 64), device=device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            self.features(ids)
-            torch.cuda.synchronize(device)
-        names = {evt.key for evt in prof.key_averages()}
-        wanted = ("chunk_gated_delta", "causal_conv1d", "fused_recurrent", "chunk_fwd", "conv1d_fwd")
-        return sorted({n for n in names if any(w in n.lower() for w in wanted)})[:8]
+
+def linear_attention_layers(model: nn.Module) -> int:
+    return sum(1 for m in model.modules() if "GatedDeltaNet" in type(m).__name__)
+
+
+def fast_path_report(model: nn.Module, total_layers: int, probe=None) -> FastPathReport:
+    """Whether `model`'s GatedDeltaNet layers (all of a target, or a stage's) run on the fast kernels;
+    `probe()` runs one small forward of it, profiled on CUDA to see the kernels (None: import check only)."""
+    linear = linear_attention_layers(model)
+    fla_ok, conv_ok = kernels_importable()
+    report = FastPathReport(hybrid=linear > 0, linear_layers=linear, total_layers=total_layers,
+                            fla_importable=fla_ok, causal_conv1d_importable=conv_ok)
+    device = next(model.parameters()).device
+    if report.hybrid and probe is not None and device.type == "cuda":
+        report.kernels_seen = _probe_kernels(probe, device)
+        report.checked_on_device = True
+    return report
+
+
+def _probe_kernels(probe, device: torch.device) -> list[str]:
+    """Run `probe()` under the profiler and list the fast linear-attention kernels that ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        probe()
+        torch.cuda.synchronize(device)
+    names = {evt.key for evt in prof.key_averages()}
+    wanted = ("chunk_gated_delta", "causal_conv1d", "fused_recurrent", "chunk_fwd", "conv1d_fwd")
+    return sorted({n for n in names if any(w in n.lower() for w in wanted)})[:8]
+
+
+def require_fast_path(report: FastPathReport, device: torch.device, allow_slow_path: bool) -> None:
+    """A GPU run refuses a hybrid target (or stage) on the slow PyTorch path unless target.allow_slow_path."""
+    if device.type == "cuda" and not report.fast and not allow_slow_path:
+        raise BadInput("the hybrid target would run on the slow PyTorch path (" + report.describe() + "); "
+                       "install flash-linear-attention and causal-conv1d (the `kernels` role, or "
+                       "`pip install dflash-trainer[gpu]` + a causal-conv1d build) or set "
+                       "target.allow_slow_path=true")
 
 
 def _one_line(exc: BaseException, limit: int = 400) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= limit else text[:limit] + " ..."
+
+
+SUPPORTED_ROPE_TYPES = ("default",)
+
+
+def rope_of(config: Any) -> Any:
+    """The RoPE settings of a transformers config (`rope_parameters`, or the older `rope_scaling`)."""
+    tc = text_config_of(config)
+    return getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+
+
+def check_rope(rope: Any) -> None:
+    """The drafter rotates with plain RoPE (rope_theta): a scaled target RoPE is refused, not dropped."""
+    kind = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise BadInput(f"the target's rope_scaling/rope_parameters has rope_type '{kind}', but the drafter "
+                       f"implements only {', '.join(SUPPORTED_ROPE_TYPES)} RoPE (rope_theta); remove rope_scaling "
+                       "from target.random_init, or use a target whose config.json has no RoPE scaling")
 
 
 def target_config(path: str | None, random_init: dict[str, Any] | None) -> Any:
@@ -195,10 +235,12 @@ def target_config(path: str | None, random_init: dict[str, Any] | None) -> Any:
         spec = dict(random_init)
         model_type = spec.pop("model_type")
         try:
-            return AutoConfig.for_model(model_type, **spec)
+            config = AutoConfig.for_model(model_type, **spec)
         except (KeyError, ValueError, TypeError) as exc:
             raise BadInput(f"target.random_init: transformers cannot build a '{model_type}' config: "
                            f"{_one_line(exc)}") from None
+        check_rope(rope_of(config))
+        return config
     p = Path(str(path))
     if not p.is_dir():
         raise BadInput(f"target.path '{path}' is not a directory; point it at a local Hugging Face model "
@@ -214,6 +256,7 @@ def target_config(path: str | None, random_init: dict[str, Any] | None) -> Any:
     if "DFlashDraftModel" in (getattr(config, "architectures", None) or []):
         raise BadInput(f"target.path '{path}' is a DFlash drafter, not a target model; point target.path at the "
                        "target (e.g. a Qwen3-8B directory) and the drafter at drafter.init_from")
+    check_rope(rope_of(config))
     return config
 
 
@@ -257,4 +300,4 @@ def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: 
 
 def num_layers_of(path: str | None, random_init: dict[str, Any] | None) -> int:
     """Depth of the target without loading weights (for config validation)."""
-    return int(_text_config(target_config(path, random_init)).num_hidden_layers)
+    return int(text_config_of(target_config(path, random_init)).num_hidden_layers)

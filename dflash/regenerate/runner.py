@@ -116,7 +116,8 @@ def rank_env() -> tuple[int, int]:
 
 def build_backend(args: argparse.Namespace):
     """(backend, tokenizer, target identity for fingerprint and manifest, default seed)."""
-    from dflash.train import load_tokenizer, load_tokenizer_dir, pick_device
+    from dflash.devices import pick_device
+    from dflash.inputs import load_tokenizer, load_tokenizer_dir
 
     config = None
     tokenizer = None

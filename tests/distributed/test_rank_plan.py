@@ -8,7 +8,7 @@ import torch
 
 from dflash.cli import main
 from dflash.config import TopologyConfig, _build, validate
-from dflash.data.buckets import Batch, RoundRobinBatchSampler
+from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler
 from dflash.distributed import topology
 from dflash.distributed.topology import check_devices, plan_ranks
 from dflash.distributed.transfer import ItemSchedule, Slot, TransferLayout
@@ -43,8 +43,8 @@ def test_every_drafter_is_fed_evenly_by_every_producer(targets, drafters):
 def test_global_batch_is_the_same_for_any_split():
     """Rank d of D, micro-batch k reads item k*D + d of each global batch, as one rank with grad_accum D*m."""
     lengths = [16 + (i * 7) % 40 for i in range(300)]
-    one = RoundRobinBatchSampler(lengths, 256, 16, 64, seed=3, multiple_of=4)
-    ranks = [RoundRobinBatchSampler(lengths, 256, 16, 64, seed=3, rank=d, world_size=2, multiple_of=2)
+    one = RoundRobinBatchSampler(lengths, BatchShape(256, 16, 64), seed=3, multiple_of=4)
+    ranks = [RoundRobinBatchSampler(lengths, BatchShape(256, 16, 64), seed=3, rank=d, world_size=2, multiple_of=2)
              for d in range(2)]
     assert one.batches_per_epoch() == 2 * ranks[0].batches_per_epoch()
     for _ in range(3 * one.batches_per_epoch() // 4):  # three epochs of steps
@@ -57,8 +57,8 @@ def test_global_batch_is_the_same_for_any_split():
 
 
 def test_slot_round_trip_keeps_batch_and_features():
-    layout = TransferLayout.for_config(token_budget=64, bucket_size=16, max_length=32, feature_dim=6,
-                                       feature_dtype=torch.bfloat16)
+    layout = TransferLayout.for_batches(BatchShape(token_budget=64, bucket_size=16, max_length=32), feature_dim=6,
+                                        feature_dtype=torch.bfloat16)
     assert layout.max_rows == 4 and layout.max_tokens == 64
     ids = torch.randint(0, 50, (2, 32))
     mask = torch.rand(2, 32) > 0.5

@@ -1,0 +1,68 @@
+"""The one logger of dflash's training processes: plain lines, rank-aware.
+
+Every module logs through `get_logger(__name__)` (the `dflash` logger tree); this module gives that tree its
+handler: every line on stdout (the run's log; stderr carries only a failing command's one-line error),
+exactly the message (the health check and the tests read these lines: `step N epoch E loss ...`,
+`resumed from PATH at step N`, `done: step N`).
+
+Under torchrun only the reporting rank (drafter rank 0) shows INFO lines, so a line is written once per job;
+a line that belongs to one rank (a target rank's progress, an injected fault) is logged with
+`extra=EVERY_RANK`. Warnings and errors are shown by every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+EVERY_RANK = {"every_rank": True}
+_ROOT = "dflash"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reporter = True  # a single process reports everything
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.reporter or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+
+
+class _Stdout(logging.Handler):
+    """sys.stdout as it is at each line (pytest swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging must never stop training
+            self.handleError(record)
+
+
+_FILTER = _RankFilter()
+
+
+def _install() -> logging.Logger:
+    logger = logging.getLogger(_ROOT)
+    if not any(isinstance(h, _Stdout) for h in logger.handlers):
+        handler = _Stdout()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(_FILTER)
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the CLI's root handler would print every line twice
+    return logger
+
+
+def set_reporter(reporter: bool) -> None:
+    """Under torchrun: whether this rank shows INFO lines (the reporting rank does)."""
+    _FILTER.reporter = reporter
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger of module `name` (a `dflash.*` module), with the rank-aware handler installed."""
+    _install()
+    return logging.getLogger(name)
+
+
+__all__ = ["EVERY_RANK", "get_logger", "set_reporter"]
