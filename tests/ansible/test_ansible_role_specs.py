@@ -49,3 +49,20 @@ def test_the_job_roles_release_defaults_are_the_modules():
     _, defaults = _load("job")
     assert defaults["dflash_job_gpu_release_threshold_mib"] == GPU_RELEASE_THRESHOLD_MIB
     assert defaults["dflash_job_gpu_release_timeout"] == GPU_RELEASE_TIMEOUT
+
+
+def test_the_roles_that_prepare_a_container_do_not_read_the_job_roles_variables():
+    """They get the job's facts as their own parameters (playbooks/vars/job.yml, passed by provision.yml)."""
+    readers = {}
+    for role in ("container", "kernels", "env", "venv", "node"):
+        for path in sorted((ROOT / "roles" / role).rglob("*")):
+            if path.is_file() and path.suffix in (".yml", ".j2", ".py") and "dflash_job_" in path.read_text():
+                readers.setdefault(role, []).append(str(path.relative_to(ROOT)))
+    assert not readers, readers
+    handed = yaml.safe_load((ROOT / "playbooks/vars/job.yml").read_text())
+    assert {"dflash_container_gpus", "dflash_kernels_gpus", "dflash_env_gpus", "dflash_env_job"} <= set(handed)
+    provision = yaml.safe_load((ROOT / "playbooks/provision.yml").read_text())
+    for play in provision:
+        roles = {r["role"] if isinstance(r, dict) else r for r in play.get("roles") or []}
+        if roles & {"container", "kernels", "env"}:
+            assert "vars/job.yml" in play.get("vars_files", []), play["name"]
