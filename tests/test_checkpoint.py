@@ -48,3 +48,35 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog):
     assert "checksum mismatch" in caplog.text
     (tmp_path / "step-00000001" / "manifest.json").unlink()  # a partial copy: no manifest
     assert m.latest_valid() is None
+
+
+class Counter:
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_the_manager_saves_and_restores_the_parts_it_is_given(tmp_path):
+    import torch
+
+    a, b, train = Counter(3), Counter(5), Counter(7)
+    m = CheckpointManager(tmp_path, states={"a": a, "b": b}, train_state=train)
+    path = m.save_state(2)
+    state = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert state == {"value": 7, "a": {"value": 3}, "b": {"value": 5}}  # the train state's keys at the top
+    a.value = b.value = train.value = 0
+    m.load_state(path)
+    assert (a.value, b.value, train.value) == (3, 5, 7)
+
+
+def test_a_checkpoint_without_a_part_is_refused_naming_it(tmp_path):
+    from dflash.errors import BadInput
+
+    path = CheckpointManager(tmp_path, states={"a": Counter(1)}).save_state(1)
+    with pytest.raises(BadInput, match="holds no sampler state"):
+        CheckpointManager(tmp_path, states={"a": Counter(), "sampler": Counter()}).load_state(path)

@@ -81,6 +81,9 @@ def test_buckets_round_robin_gives_rare_lengths_their_share():
     first16 = [blen for blen, _ in batches[:16]]
     assert Counter(first16) == {16: 8, 64: 8}
     assert all(len(idx) * blen <= 64 for blen, idx in batches)
+    # the bounds the sampler publishes (the transfer buffers' size) hold every batch it cuts
+    assert max(len(idx) for _, idx in batches) == s.max_rows == 4
+    assert all(len(idx) * blen <= s.max_tokens for blen, idx in batches)
     assert sorted(i for _, idx in batches for i in idx) == list(range(408))  # every sample once per epoch
 
 
