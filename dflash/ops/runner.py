@@ -117,8 +117,10 @@ def inventory_containers(inventory: Path) -> tuple[list[str], list[str]]:
     # get_inventory looks the command up in this process's PATH.
     os.environ["PATH"] = _ansible_path()
     try:
+        # Its own private data dir, few artifacts kept: without one, ansible-runner leaves a temp dir behind.
         groups, errors = ansible_runner.get_inventory("list", [str(inventory)], response_format="json", quiet=True,
-                                                      envvars=_ansible_env(root), timeout=120)
+                                                      envvars=_ansible_env(root), timeout=120,
+                                                      private_data_dir=str(cache_dir() / "inventory"), rotate_artifacts=2)
     except Exception as exc:  # noqa: BLE001 - the explanation of a failed run must not fail itself
         return [], [f"ansible-inventory failed: {exc}"]
     warnings = [line.split(":", 1)[1].strip() for line in (errors or "").splitlines()
