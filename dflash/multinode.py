@@ -65,7 +65,6 @@ class NodePresence:
                       "pid": os.getpid(), "status": "waiting", "step": 0, "joined": False, "all_joined": False,
                       "world_size": world_size, "missing": [], "lost_node": None, "error": None}
         self._had_workers = False
-        self._last_write = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-presence", daemon=True)
         self.write()
@@ -158,7 +157,7 @@ class NodePresence:
                 if missing != st["missing"]:
                     st["missing"] = missing
                     changed = True
-        if changed or now - self._last_write >= 2 * BEAT_S:
+        if changed:  # its time is the last change: a step that stays put ages like the trainer's heartbeat
             self.write()
 
     def write(self) -> None:
@@ -169,7 +168,6 @@ class NodePresence:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.path, data)
-            self._last_write = data["time"]
         except OSError as exc:
             print(f"dflash: warning: cannot write the node file {self.path}: {exc}", flush=True)
 
