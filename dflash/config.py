@@ -85,7 +85,6 @@ class DataConfig:
     token_budget: int = 16384  # tokens (padded) per batch
     bucket_size: int = 256  # sequence lengths are rounded up to a multiple of this
     cache_dir: str | None = None  # tokenized cache; default OUTPUT_DIR/../.dflash-cache
-    num_workers: int = 0
 
 
 @dataclass
@@ -158,7 +157,6 @@ class TopologyConfig:
 class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = None  # torch CPU threads
-    deterministic: bool = False
     peak_tflops: float | None = None  # for MFU; default: known GPUs (H100/H200: 790 measured bf16)
 
 
