@@ -468,10 +468,8 @@ def sec_e2e(args):
             sync()
             wall = time.perf_counter() - t0
             # the parts, timed separately on one batch: target features alone, drafter step alone
-            _, batch = tr.next_batch()
-            batch = batch.to(tr.device)
-            t_feat = timed(lambda: tr.features(batch), 1, 3)
-            feats = tr.features(batch)
+            _, batch, feats = tr.source.next()
+            t_feat = timed(lambda: tr.source.features(batch), 1, 3)
             gen = torch.Generator().manual_seed(0)
 
             def dstep():

@@ -18,6 +18,9 @@ import traceback
 from pathlib import Path
 
 from dflash.config import RunConfig
+from dflash.logs import get_logger
+
+log = get_logger(__name__)  # stdout lines; a failure's one-line error goes to stderr
 
 # Rendezvous settings from the environment win over the config (one config file, one unit per node).
 RENDEZVOUS_ENV = {"DFLASH_NNODES": "nnodes", "DFLASH_NODE_RANK": "node_rank", "DFLASH_MASTER_ADDR": "master_addr",
@@ -73,7 +76,7 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
     check_devices(config, plan)  # exit 2 before any process starts
     check_target_fits(config, plan)
     if stop.requested():
-        print("dflash: stopped by a signal before the ranks were started", flush=True)
+        log.info("dflash: stopped by a signal before the ranks were started")
         return 0
     return launch_torchrun(config, config_path, overrides, plan)
 
@@ -108,8 +111,7 @@ def _hard_exit(code: int) -> None:
 
 def _print_done(result: dict) -> None:
     saved = ", checkpoint saved" if result.get("step") else ""
-    print(f"done: step {result['step']}" + (f" (stopped by signal{saved})" if result.get("stopped") else ""),
-          flush=True)
+    log.info(f"done: step {result['step']}" + (f" (stopped by signal{saved})" if result.get("stopped") else ""))
 
 
 def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], nproc_per_node: int) -> list[str]:
@@ -125,7 +127,7 @@ def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], 
         from dflash.multinode import run_id
 
         cmd += ["--nnodes", str(top.nnodes), "--node-rank", str(top.node_rank), "--rdzv-backend", "static",
-                "--rdzv-endpoint", f"{top.master_addr}:{top.master_port}", "--rdzv-id", run_id(),
+                "--rdzv-endpoint", f"{top.master_addr}:{top.master_port}", "--rdzv-id", run_id(config.output_dir),
                 "--rdzv-conf", f"timeout={top.timeout_s}"]
     return [*cmd, "-m", "dflash", "train", str(Path(config_path).resolve()), *overrides]
 
@@ -187,8 +189,7 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
     if request.requested:  # one arrived while this process started up
         note(request.signum)
     try:
-        print(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}",
-              flush=True)
+        log.info(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}")
         # torchrun's grace before SIGKILL of the other workers after one failed (also its default)
         env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WORKER_SHUTDOWN_S),
                **(liveness.environment() if liveness else {})}

@@ -19,6 +19,10 @@ def test_tiny_config_loads_with_overrides(write_config, tiny_dict):
 
 @pytest.mark.parametrize("override, message", [
     (["optim.lrr=1"], r"unknown config key 'optim.lrr'; did you mean 'optim.lr'"),
+    (["data.num_workers=2"], r"unknown config key 'data.num_workers'"),  # removed: nothing read it
+    (["runtime.deterministic=true"], r"unknown config key 'runtime.deterministic'"),
+    (["target.random_init.rope_scaling={rope_type: linear, factor: 2.0}"],
+     r"rope_type 'linear', but the drafter implements only default RoPE"),
     (["drafter.block_size=abc"], r"drafter.block_size: expected an integer, got 'abc'"),
     (["drafter.block_size=1"], r"drafter.block_size must be >= 2"),
     (["data.token_budget=32"], r"data.token_budget \(32\) is smaller than one sequence"),

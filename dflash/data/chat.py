@@ -170,7 +170,7 @@ def load_tokenized(path: str | os.PathLike, tokenizer, max_length: int, min_loss
             blob = torch.load(cache_file, weights_only=True)
             ids, masks, offsets = blob["ids"], blob["mask"], blob["offsets"].tolist()
             samples = [(ids[a:b].long(), masks[a:b]) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-            log.info("tokenized cache hit: %s (%d samples)", cache_file, len(samples))
+            log.debug("tokenized cache hit: %s (%d samples)", cache_file, len(samples))
             return TokenizedSet(samples, int(blob["dropped"]), int(blob["truncated"]), str(path),
                                 {"cache": "hit", "cache_file": str(cache_file)})
         except Exception as exc:  # a damaged cache is rebuilt, never trusted
