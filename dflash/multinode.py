@@ -37,8 +37,9 @@ def node_name() -> str:
     return os.environ.get(ENV_NODE_NAME) or socket.gethostname()
 
 
-def run_id() -> str:
-    return os.environ.get(ENV_RUN_ID) or "dflash"
+def run_id(output_dir: str) -> str:
+    """The rendezvous id: DFLASH_RUN_ID, else the name of the (shared) output directory, the same on every node."""
+    return os.environ.get(ENV_RUN_ID) or Path(output_dir).name or "dflash"
 
 
 def describe(rank: int, name: str | None) -> str:
@@ -52,7 +53,7 @@ class NodePresence:
                  nproc: int, world_size: int, timeout_s: int) -> None:
         self.nnodes, self.rank, self.nproc, self.world = nnodes, node_rank, nproc, world_size
         self.addr, self.port, self.timeout_s = master_addr, master_port + 1, timeout_s
-        self.name, self.run_id = node_name(), run_id()
+        self.name, self.run_id = node_name(), run_id(output_dir)
         self.path = Path(output_dir) / "nodes" / f"node-{node_rank}.json"
         self.prefix = f"dflash/{self.run_id}/"
         self.lock = threading.Lock()

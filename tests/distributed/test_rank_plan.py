@@ -160,11 +160,14 @@ def test_torchrun_command_single_node_and_rendezvous(tiny_dict, monkeypatch):
     monkeypatch.setenv("DFLASH_NNODES", "2")
     monkeypatch.setenv("DFLASH_NODE_RANK", "1")
     monkeypatch.setenv("DFLASH_MASTER_ADDR", "10.0.0.5")
+    monkeypatch.setenv("DFLASH_RUN_ID", "qwen3-8b")
     apply_rendezvous_env(cfg)
     cmd = " ".join(torchrun_command(cfg, "run.yaml", [], 2))
     # static rendezvous on node 0's c10d store: the node ranks stay as given; the run id names the store's keys
-    assert ("--nnodes 2 --node-rank 1 --rdzv-backend static --rdzv-endpoint 10.0.0.5:29512 --rdzv-id dflash "
+    assert ("--nnodes 2 --node-rank 1 --rdzv-backend static --rdzv-endpoint 10.0.0.5:29512 --rdzv-id qwen3-8b "
             "--rdzv-conf timeout=600") in cmd
+    monkeypatch.delenv("DFLASH_RUN_ID")
+    assert f"--rdzv-id {cfg.output_dir.rstrip('/').rsplit('/', 1)[-1]} " in " ".join(torchrun_command(cfg, "run.yaml", [], 2))
     assert "--standalone" not in cmd
     monkeypatch.setenv("DFLASH_NODE_RANK", "x")
     with pytest.raises(BadInput, match="DFLASH_NODE_RANK='x' is not an integer"):
