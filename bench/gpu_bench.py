@@ -106,10 +106,11 @@ def device() -> torch.device:
 
 
 def build(spec: dict, dtype=torch.bfloat16):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    spec = dict(spec)
-    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    from dflash.models.target import target_config
+
+    cfg = target_config(None, spec)
     torch.manual_seed(0)
     with torch.device(device()):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -212,13 +213,11 @@ def sec_features(args):
 
 
 def _drafter_setup(args):
-    from transformers import AutoConfig
-
     from dflash.loss import build_blocks, sample_anchors
     from dflash.models.drafter import Drafter, arch_from_target
+    from dflash.models.target import target_config
 
-    spec = dict(TINY_DENSE if args.tiny else QWEN3_8B)
-    tcfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    tcfg = target_config(None, TINY_DENSE if args.tiny else QWEN3_8B)
     seq, anchors_n, bsz, layers = (64, 8, 4, 2) if args.tiny else (3072, 512, 16, 5)
     arch = arch_from_target(tcfg, num_layers=layers, block_size=bsz, layer_ids=[1, 9, 17, 25, 33][: 5],
                             mask_token_id=0, vocab_size=tcfg.vocab_size)

