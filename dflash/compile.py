@@ -35,7 +35,7 @@ class CompilePlan:
     drafter: bool = False
     flex: bool = False
     loss: bool = False
-    target_mode: str = "max-autotune-no-cudagraphs"
+    target_mode: str = "default"
     drafter_mode: str = "default"
 
 

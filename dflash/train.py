@@ -109,7 +109,7 @@ class LocalTarget:
         return epoch, batch, self.features(batch)
 
     def features(self, batch: Batch) -> torch.Tensor:
-        return self.target.features(batch.input_ids, batch.attention_mask)
+        return self.target.features(batch.input_ids, None)  # right-padded rows: see `Target.features`
 
     def embed_tokens(self) -> torch.nn.Embedding:
         return self.target.embed_tokens

@@ -110,3 +110,22 @@ def test_stage_bounds_refuse_more_stages_than_layers():
     assert stage_bounds(33, 3) == [(0, 11), (11, 22), (22, 34)]
     with pytest.raises(BadInput, match="target_stages=6: the target runs 5 layers"):
         stage_bounds(4, 6)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_a_right_padded_batch_needs_no_attention_mask(hybrid):
+    """The trainer's batches are right-padded; a causal target's states at the valid positions do not depend
+    on later positions, so the trainer leaves the mask out (SDPA's causal fast path, not a masked kernel)."""
+    from dflash.doctor import PROBE_HYBRID
+
+    spec = dict(PROBE_HYBRID) if hybrid else dict(QWEN3)
+    model = build_hf_model(None, spec, "float32", seed=0)
+    target = Target(model, [1, 3])
+    ids = torch.randint(0, spec["vocab_size"], (3, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    mask[2, 5:] = 0
+    valid = mask.bool()
+    with_mask, without = target.features(ids, mask), target.features(ids, None)
+    assert torch.allclose(with_mask[valid], without[valid], atol=1e-5)
+    assert not torch.allclose(with_mask, without, atol=1e-5)  # only the padded positions differ

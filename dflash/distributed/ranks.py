@@ -299,7 +299,7 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
         check_fault(rank, info["step"] + n // accum)
         hidden_in = features[..., :hidden] if features is not None else None
         # computed before the credit arrives: the target works ahead
-        out, taps = part.features(batch.input_ids, batch.attention_mask, hidden_in)
+        out, taps = part.features(batch.input_ids, None, hidden_in)  # right-padded rows need no mask
         earlier = [features[..., hidden:]] if features is not None and features.shape[-1] > hidden else []
         if last:
             payload, item, dst = torch.cat([*earlier, *taps], dim=-1), n, d
