@@ -68,9 +68,22 @@ def test_config_section_and_the_moved_drafter_switch(write_config, tiny_dict):
         load_config(write_config(tiny_dict), ["compile.target=sometimes"])
 
 
-def _target():
-    model = build_hf_model(None, dict(QWEN3), "float32", seed=0)
+def _target(spec=None):
+    model = build_hf_model(None, dict(spec or QWEN3), "float32", seed=0)
     return Target(model, [1, 3])
+
+
+def test_compiled_hybrid_target_layers_give_the_eager_features():
+    """GatedDeltaNet layers (here their PyTorch path: no fast kernels on the CPU) compile too."""
+    from dflash.doctor import PROBE_HYBRID
+
+    eager, compiled = _target(PROBE_HYBRID), _target(PROBE_HYBRID)
+    ids = torch.randint(0, PROBE_HYBRID["vocab_size"], (2, 16))
+    reference = eager.features(ids)
+    guard = compile_target_layers(compiled, mode="default")
+    out = compiled.features(ids)
+    assert guard.failed is None
+    assert torch.allclose(out, reference, atol=1e-4, rtol=1e-4)
 
 
 def test_compiled_target_layers_give_the_eager_features_and_stop_early():
