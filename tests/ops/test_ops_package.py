@@ -124,3 +124,20 @@ def test_dflash_ops_runs_from_a_wheel_outside_the_checkout(installed):
     for path in ("playbooks/train.yml", "roles/job/meta/argument_specs.yml", "library/dflash_unit.py",
                  "module_utils/dflash_supervisor.py", "connection_plugins/dflash_lxc.py", "configs/tiny-cpu.yaml"):
         assert (site / "dflash" / "ops" / "project" / path).is_file(), path
+
+
+@pytest.mark.slow
+def test_a_deploy_from_the_wheel_packs_the_installed_trainer(installed):
+    """What the job role packs when dflash ops runs from the wheel: the installed package without dflash/ops,
+    the wheel's configs/ and pyproject.toml."""
+    into = installed["tmp"] / "sources"
+    probe = ("import sys; from pathlib import Path; from dflash.ops.runner import project_dir, source_tree; "
+             "print(source_tree(project_dir(), Path(sys.argv[1])))")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DFLASH_")}
+    out = subprocess.run([str(installed["python"]), "-c", probe, str(into)], cwd=installed["tmp"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(out) == into
+    for item in ("dflash/train.py", "dflash/cli.py", "configs/tiny-cpu.yaml", "pyproject.toml"):
+        assert (into / item).is_file(), item
+    assert not (into / "dflash" / "ops").exists()
+    assert (into / "dflash" / "train.py").read_text() == (PACKAGE / "train.py").read_text()
