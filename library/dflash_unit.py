@@ -38,8 +38,7 @@ description:
   - Idempotence by a config hash of O(command), O(environment), the content of O(environment_file), the content of
     O(config_path), O(working_directory) and O(user), stored in O(state_dir). Same hash and running = no change.
   - A different hash, a job that is not running, or O(state=restarted) runs the restart sequence as one operation -
-    stop and wait until the unit is gone, wait (bounded) until the job's GPUs release their memory, empty
-    O(compile_cache_dir), start.
+    stop and wait until the unit is gone, wait (bounded) until the job's GPUs release their memory, start.
 version_added: "0.1.0"
 author: dflash authors
 options:
@@ -102,9 +101,6 @@ options:
     description: A GPU counts as released once its used memory is at most this many MiB.
     type: int
     default: 1024
-  compile_cache_dir:
-    description: Directory emptied (not deleted) during the restart sequence, e.g. C(TORCHINDUCTOR_CACHE_DIR).
-    type: path
   state_dir:
     description:
       - Where the config hash, pidfile, environment and exit records are kept. Default C(/var/lib/dflash-units/NAME).
@@ -171,7 +167,6 @@ EXAMPLES = r"""
     log_path: /var/log/dflash/dflash-train.log
     config_path: /etc/dflash/dflash-train.yaml
     gpu_ids: [0, 1, 2, 3, 4, 5, 6, 7]
-    compile_cache_dir: /var/cache/dflash/inductor
 
 - name: Stop it (SIGTERM, checkpoint, exit; SIGKILL after 120 s)
   dflash_unit:
@@ -223,10 +218,6 @@ gpu_release:
   description: The GPU release wait of the restart sequence (gpu_ids, released, waited_s, still_used, skipped).
   returned: when the job was stopped or (re)started
   type: dict
-compile_cache_cleared:
-  description: Whether the compile cache held files that were deleted.
-  returned: always
-  type: bool
 status_before:
   description: The unit's state before the action, with C(restarts), C(watchdog_kills), C(last_exit_reason) and
     C(crash_loop).
@@ -287,7 +278,6 @@ ARGUMENT_SPEC = {
     "gpu_ids": {"type": "list", "elements": "int", "default": []},
     "gpu_release_timeout": {"type": "int", "default": GPU_RELEASE_TIMEOUT},
     "gpu_release_threshold_mib": {"type": "int", "default": GPU_RELEASE_THRESHOLD_MIB},
-    "compile_cache_dir": {"type": "path"},
     "state_dir": {"type": "path"},
     "restart": {"type": "str", "default": "on-failure", "choices": ["on-failure", "no"]},
     "restart_delay": {"type": "int", "default": 10},
@@ -360,7 +350,6 @@ def main():
         "gpu_ids": p["gpu_ids"],
         "gpu_release_timeout": p["gpu_release_timeout"],
         "gpu_release_threshold_mib": p["gpu_release_threshold_mib"],
-        "compile_cache_dir": p["compile_cache_dir"],
         "state_dir": p["state_dir"] or default_state_dir(name),
         "restart": {"policy": p["restart"], "delay": p["restart_delay"], "burst": p["restart_burst"], "interval": p["restart_interval"]},
         "watchdog": {"interval": p["watchdog"], "start_interval": p["watchdog_start"]},

@@ -1,7 +1,7 @@
 # Copyright: dflash authors
 # Apache-2.0
 """Lifecycle of a named training job: the backend choice and the restart sequence (stop, wait for the GPUs to
-release, clear the compile cache, start), the same for both backends.
+release, start), the same for both backends.
 
 Used by the dflash_unit module (start/stop/restart) and the dflash_health module (status). Every function takes
 a ``host`` (see dflash_host) so the logic runs unchanged in tests. The pieces: dflash_unit_spec (what a launch
@@ -82,25 +82,6 @@ def wait_for_gpu_release(host, gpu_ids, threshold_mib, timeout, interval=2.0):
     return report
 
 
-def clear_directory(path):
-    """Empty ``path`` (keep the directory itself: it may be a mount or have set ownership)."""
-    if not path:
-        return False
-    path = os.path.abspath(path)
-    if path == "/" or len([p for p in path.split("/") if p]) < 2:
-        raise UnitError(f"refusing to clear compile_cache_dir {path!r}: give a dedicated directory at least two levels deep")
-    if not os.path.isdir(path):
-        return False
-    entries = os.listdir(path)
-    for entry in entries:
-        full = os.path.join(path, entry)
-        if os.path.isdir(full) and not os.path.islink(full):
-            shutil.rmtree(full)
-        else:
-            os.unlink(full)
-    return bool(entries)
-
-
 def crash_loop_message(spec, status):
     tail = "".join(f"\n  {line}" for line in (tail_lines(spec.get("log_path") or "", 10) or []))
     return (
@@ -130,7 +111,6 @@ def ensure(spec, state, backend, host, check_mode=False):
         "config_hash": current_hash,
         "previous_hash": previous_hash,
         "gpu_release": None,
-        "compile_cache_cleared": False,
         "status_before": status,
         "launch_before": read_launch(spec["state_dir"]),
     }
@@ -148,7 +128,6 @@ def ensure(spec, state, backend, host, check_mode=False):
                     f"{spec.get('gpu_release_timeout', GPU_RELEASE_TIMEOUT)}s after the stop ({held}); a process outside the "
                     "job holds them (see nvidia-smi) - end it, or raise gpu_release_timeout"
                 )
-            result["compile_cache_cleared"] = clear_directory(spec.get("compile_cache_dir"))
             backend.start(spec)
             host.atomic_write(hash_file, current_hash + "\n")
             if spec.get("launch") is not None:

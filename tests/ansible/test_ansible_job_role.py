@@ -86,7 +86,7 @@ def role_run(tmp_path_factory):
         "dflash_job_base_config": "fake.yaml", "dflash_job_venv": str(tmp / "venv"), "dflash_job_user": "root",
         "dflash_job_root": str(tmp / "opt"), "dflash_job_run_dir": str(tmp / "run"), "dflash_job_config_path": str(tmp / "etc" / "job.yaml"),
         "dflash_job_log_path": str(tmp / "log" / "job.log"), "dflash_job_env_file": str(tmp / "etc" / "job.env"),
-        "dflash_job_compile_cache_dir": str(tmp / "cache" / "compile"), "dflash_job_stop_timeout": 5,
+        "dflash_job_stop_timeout": 5,
         "dflash_job_health_timeout": 30, "dflash_job_health_progress_window": 10, "dflash_job_health_poll_interval": 1,
     }  # fmt: skip
     inventory = {"all": {"children": {"dflash_containers": {"hosts": {"here": host}}}}}

@@ -19,7 +19,7 @@ CRASH = "echo 'dflash: error: target.path /models/x does not exist; fix target.p
 def _tasks(tmp):
     unit = {"name": "adhoc-job", "backend": "daemon", "command": [sys.executable, "-u", "-c", LOOP], "log_path": f"{tmp}/job.log",
             "config_path": f"{tmp}/run.yaml", "environment_file": f"{tmp}/job.env", "environment": {"PYTHONPATH": "/opt/dflash/current", "HF_TOKEN": "s3cret-one"},
-            "working_directory": tmp, "state_dir": f"{tmp}/state", "compile_cache_dir": f"{tmp}/cache/inductor", "stop_timeout": 5}  # fmt: skip
+            "working_directory": tmp, "state_dir": f"{tmp}/state", "stop_timeout": 5}  # fmt: skip
     crash = {**unit, "name": "adhoc-crash", "command": ["sh", "-c", CRASH], "state_dir": f"{tmp}/crash-state", "log_path": f"{tmp}/crash.log"}
     health = {"name": "adhoc-crash", "backend": "daemon", "state_dir": f"{tmp}/crash-state", "log_path": f"{tmp}/crash.log",
               "heartbeat_path": f"{tmp}/heartbeat.json", "timeout": 30, "poll_interval": 1}  # fmt: skip

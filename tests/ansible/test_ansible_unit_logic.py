@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from ansible.module_utils.dflash_unit import clear_directory, ensure, resolve_backend
+from ansible.module_utils.dflash_unit import ensure, resolve_backend
 from ansible.module_utils.dflash_unit_spec import UnitError, config_hash, parse_environment_file, plan_action
 from ansible.module_utils.dflash_unit_systemd import (
     RECORD_EXIT_SCRIPT,
@@ -126,20 +126,6 @@ def test_backend_detection(tmp_path):
         resolve_backend("upstart")
 
 
-def test_clear_directory_refuses_shallow_paths(tmp_path):
-    for bad in ("/", "/tmp", "/var"):
-        with pytest.raises(UnitError, match="refusing"):
-            clear_directory(bad)
-    cache = tmp_path / "cache"
-    (cache / "sub").mkdir(parents=True)
-    (cache / "sub" / "f").write_text("x")
-    (cache / "g").write_text("y")
-    assert clear_directory(str(cache)) is True
-    assert cache.is_dir() and list(cache.iterdir()) == []
-    assert clear_directory(str(cache)) is False
-    assert clear_directory(str(tmp_path / "missing")) is False
-
-
 class RecordingBackend:
     name = "fake"
 
@@ -167,7 +153,7 @@ class RecordingBackend:
 
 def _spec(tmp_path, **kw):
     return {"name": "j", "state_dir": str(tmp_path / "state"), "config_hash": "new", "gpu_ids": [0, 1],
-            "gpu_release_timeout": 10, "gpu_release_threshold_mib": 1024, "compile_cache_dir": str(tmp_path / "cc" / "inductor"),
+            "gpu_release_timeout": 10, "gpu_release_threshold_mib": 1024, "working_directory": str(tmp_path / "run"),
             "settle_time": 0, **kw}  # fmt: skip
 
 
@@ -188,19 +174,21 @@ def test_restart_sequence_order_and_hash_update(tmp_path, fake_host):
     log = []
     gpu = _gpu_answer([(70000, 70000), (30000, 10), (10, 10)])
     host = fake_host({"--query-gpu": lambda h: (log.append("gpu"), gpu(h))[1]})
-    cache = tmp_path / "cc" / "inductor"
-    (cache / "triton").mkdir(parents=True)
+    # The trainer's kernel cache in the run directory must outlive a restart (a warm start compiles nothing).
+    kernel = tmp_path / "run" / "compile-cache" / "torch-x" / "inductor" / "kernel.py"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_text("cached\n")
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "config_hash").write_text("old\n")
     backend = RecordingBackend(running=True, log=log)
     real_start = backend.start
-    backend.start = lambda spec: (log.append(f"cache empty={not any(cache.iterdir())}"), real_start(spec))
+    backend.start = lambda spec: (log.append(f"cache kept={kernel.is_file()}"), real_start(spec))
     result = ensure(_spec(tmp_path), "started", backend, host)
     assert result["action"] == "restarted" and result["changed"]
     assert result["previous_hash"] == "old" and result["config_hash"] == "new"
-    # stop, then GPUs polled until released, then the cache is empty at start.
-    assert log == ["stop", "gpu", "gpu", "gpu", "cache empty=True", "start"]
-    assert result["gpu_release"]["released"] and result["compile_cache_cleared"]
+    # stop, then GPUs polled until released, then start with the kernel cache still there.
+    assert log == ["stop", "gpu", "gpu", "gpu", "cache kept=True", "start"]
+    assert result["gpu_release"]["released"] and kernel.read_text() == "cached\n"
     assert (tmp_path / "state" / "config_hash").read_text() == "new\n"
 
 
