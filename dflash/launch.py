@@ -208,6 +208,8 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
             if not stop:
                 continue
             tell_workers()
+            if presence is not None:
+                presence.stopping()
             waited = time.monotonic() - stop["at"]
             if escalated == 0 and waited > grace:
                 print("dflash: ranks did not stop in time; terminating torchrun", file=sys.stderr, flush=True)

@@ -220,6 +220,11 @@ class NodePresence:
         self.write()
         return message
 
+    def stopping(self) -> None:
+        """A stop on purpose: nodes other than 0 leave the store now, before node 0 (its host) exits."""
+        if self.rank != 0:
+            self._stop.set()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * BEAT_S)

@@ -4,6 +4,8 @@
         the TCP connections of every process of UNIT in CONTAINER: their addresses, those not on loopback
     python3 nodes.py kill LOST SURVIVOR UNIT RUN_DIR
         SIGKILL every process of UNIT in LOST, then time until SURVIVOR's UNIT is no longer active
+    python3 nodes.py reference CONTAINER UNTIL OUTPUT_DIR PYTHON CONFIG [OVERRIDES...]
+        one process with the same config trained up to step UNTIL, in CONTAINER
     python3 nodes.py losses RUN_DIR REFERENCE_DIR
         every step of RUN_DIR/metrics.jsonl (resumed steps included) against the one-process reference
 
@@ -86,6 +88,37 @@ def sockets(container, unit):
             "not_loopback": [h for h in hosts if h not in LOOPBACK], "processes": data["pids"]}
 
 
+# Runs inside the container: train until the metrics reach a step, then SIGTERM (the trainer stops after that step).
+REFERENCE = r"""
+import json, os, signal, subprocess, sys, time
+until, metrics, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+proc = subprocess.Popen(cmd)
+def reached():
+    try:
+        with open(metrics) as handle:
+            return any(json.loads(line).get('step', 0) >= until for line in handle if line.strip())
+    except (OSError, ValueError):
+        return False
+while proc.poll() is None and not reached():
+    time.sleep(0.2)
+if proc.poll() is None:
+    proc.send_signal(signal.SIGTERM)
+sys.exit(proc.wait())
+"""
+
+
+def reference(container, until, output_dir, python, config, *overrides):
+    """One process, the same config, trained up to step UNTIL (its schedule is the whole run's)."""
+    t0 = time.monotonic()
+    cmd = [python, "-m", "dflash", "train", config, f"output_dir={output_dir}", *overrides]
+    done = subprocess.run(["lxc-attach", "-n", container, "--clear-env", "--set-var", "PYTHONPATH=/opt/dflash/current",
+                           "--", "python3", "-c", REFERENCE, until, f"{output_dir}/metrics.jsonl", *cmd],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"nodes.py: the reference run failed (exit {done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return {"seconds": round(time.monotonic() - t0, 1), "last_line": done.stdout.strip().splitlines()[-1]}
+
+
 def read_json(path):
     try:
         with open(path) as handle:
@@ -96,8 +129,6 @@ def read_json(path):
 
 def kill(lost, survivor, unit, run_dir):
     before = read_json(f"{run_dir}/heartbeat.json")
-    with open(f"{run_dir}/checkpoints/latest") as handle:
-        checkpoint = int(re.search(r"(\d+)\s*$", handle.read()).group(1))
     t0 = time.monotonic()
     attach(lost, "systemctl", "kill", "--signal=SIGKILL", unit)
     deadline = t0 + 120
@@ -108,7 +139,10 @@ def kill(lost, survivor, unit, run_dir):
         time.sleep(POLL)
     else:
         sys.exit(f"nodes.py: {survivor}'s {unit} still {state['ActiveState']} 120 s after the kill")
-    return {"survivor_ended_s": round(time.monotonic() - t0, 1), "survivor": state, "lost": show(lost, unit),
+    ended = round(time.monotonic() - t0, 1)
+    with open(f"{run_dir}/checkpoints/latest") as handle:  # read once nothing can write one any more
+        checkpoint = int(re.search(r"(\d+)\s*$", handle.read()).group(1))
+    return {"survivor_ended_s": ended, "survivor": state, "lost": show(lost, unit),
             "step_at_fault": before.get("step"), "checkpoint_at_fault": checkpoint}
 
 
@@ -135,5 +169,5 @@ def losses(run_dir, reference_dir):
 
 if __name__ == "__main__":
     action, args = sys.argv[1], sys.argv[2:]
-    result = {"sockets": sockets, "kill": kill, "losses": losses}[action](*args)
+    result = {"sockets": sockets, "kill": kill, "losses": losses, "reference": reference}[action](*args)
     print(json.dumps(result))
