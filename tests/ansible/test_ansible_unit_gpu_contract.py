@@ -62,7 +62,7 @@ def rendered(tmp_path_factory):
 def test_the_role_translates_host_gpus_to_visible_indices_once(rendered, name):
     (target, drafter), (visible, topology) = CASES[name]
     got = rendered[name]
-    assert got["env"] == ({"CUDA_VISIBLE_DEVICES": visible} if visible else {})
+    assert got["env"] == ({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible} if visible else {})
     assert got["topology"] == ({"topology": topology} if topology else {})
     assert got["gpu_ids"] == sorted(set(target + drafter))  # host numbers: passthrough, release wait, health
 
