@@ -224,7 +224,7 @@ def test_two_nodes_by_static_rendezvous_follow_the_same_trajectory(reference, tm
     results = [finish(p, 240) for p in procs]
     for rc, log, _ in results:
         assert rc == 0, log[-4000:]
-    assert "--nnodes 2 --node-rank 0 --master-addr 127.0.0.1" in results[1][1]
+    assert f"--nnodes 2 --node-rank 0 --rdzv-backend static --rdzv-endpoint 127.0.0.1:{port}" in results[1][1]
     got, want = losses(out), reference["losses"]
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
