@@ -11,6 +11,8 @@ from dflash import stop
 @pytest.fixture(autouse=True)
 def restore_handlers():
     saved = {s: signal.getsignal(s) for s in stop.SIGNALS}
+    for s in stop.SIGNALS:  # a fresh process's state, whatever earlier tests in this one left installed
+        signal.signal(s, signal.SIG_DFL)
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)

@@ -79,8 +79,9 @@ def installed(tmp_path_factory):
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    clean = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # else pip sees a dflash there
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, timeout=300)
+                    str(wheel)], check=True, timeout=300, env=clean)
     # ansible, ansible-runner, rich and yaml from the test's own environment, after the wheel's own packages
     # (a path line, so the checkout's editable-install hook there is not run).
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -110,7 +111,8 @@ def test_dflash_ops_runs_from_a_wheel_outside_the_checkout(installed):
         "dflash-far": {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": 1,
                        "ansible_ssh_common_args": "-o ConnectTimeout=3 -o BatchMode=yes -o StrictHostKeyChecking=no"},
     }}}}}))
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("DFLASH_", "ANSIBLE_"))}
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("DFLASH_", "ANSIBLE_")) and key != "PYTHONPATH"}  # the wheel's package only
     env.update(HOME=str(tmp), DFLASH_CACHE_DIR=str(tmp / "cache"),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]))
     proc = subprocess.run([str(installed["python"]), "-c", PROBE, "status", "-i", "hosts.yml", "--json"], cwd=work,
@@ -133,7 +135,7 @@ def test_a_deploy_from_the_wheel_packs_the_installed_trainer(installed):
     into = installed["tmp"] / "sources"
     probe = ("import sys; from pathlib import Path; from dflash.ops.runner import project_dir, source_tree; "
              "print(source_tree(project_dir(), Path(sys.argv[1])))")
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DFLASH_")}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DFLASH_") and key != "PYTHONPATH"}
     out = subprocess.run([str(installed["python"]), "-c", probe, str(into)], cwd=installed["tmp"], env=env,
                          capture_output=True, text=True, check=True).stdout.strip()
     assert Path(out) == into
