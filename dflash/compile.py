@@ -12,10 +12,12 @@ and a torch, Triton or GPU change starts a clean folder (the stale ones are remo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,8 +203,22 @@ def cache_key(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
 
 
+STALE_AFTER_S = 24 * 3600  # another key's folder unused this long goes (a node of a multi-node job with
+# another GPU or torch shares the run directory: its folder is in use, and stays)
+
+
+def _last_used(folder: Path) -> float:
+    """When kernels were last added under `folder` (the newest mtime of it and its two cache folders)."""
+    times = [folder.stat().st_mtime]
+    for sub in ("inductor", "triton"):
+        with contextlib.suppress(OSError):
+            times.append((folder / sub).stat().st_mtime)
+    return max(times)
+
+
 def use_kernel_cache(cache_root: str | os.PathLike, device: torch.device) -> Path:
-    """Point inductor and Triton at `cache_root/<cache_key>` (made if missing); other keys' folders go.
+    """Point inductor and Triton at `cache_root/<cache_key>` (made if missing, its mtime renewed); other keys'
+    folders go once they have gone unused for a day.
 
     An inductor cache directory set in the environment by the operator wins (and is returned)."""
     from torch._inductor.runtime.runtime_utils import default_cache_dir
@@ -216,8 +232,11 @@ def use_kernel_cache(cache_root: str | os.PathLike, device: torch.device) -> Pat
     here = root / key
     (here / "inductor").mkdir(parents=True, exist_ok=True)
     (here / "triton").mkdir(parents=True, exist_ok=True)
+    os.utime(here)  # in use: a node with another key sharing this directory keeps it
+    now = time.time()
     for stale in root.iterdir():
-        if stale.is_dir() and stale.name.startswith("torch-") and stale.name != key:
+        if stale.is_dir() and stale.name.startswith("torch-") and stale.name != key and (
+                now - _last_used(stale) > STALE_AFTER_S):
             shutil.rmtree(stale, ignore_errors=True)  # a torch/Triton/GPU change: those kernels never load again
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(here / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(here / "triton")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -158,14 +159,20 @@ def test_trainer_with_a_compiled_target_matches_the_eager_trainer(tiny_config, t
 
 def test_kernel_cache_is_keyed_and_stale_keys_go(tmp_path):
     root = tmp_path / "compile-cache"
-    (root / "torch-0.0.1-triton-none-cpu" / "inductor").mkdir(parents=True)  # an older torch's kernels
+    old = root / "torch-0.0.1-triton-none-cpu"  # an older torch's kernels, unused for two days
+    (old / "inductor").mkdir(parents=True)
+    in_use = root / "torch-0.0.2-triton-none-cpu"  # another node's key in a shared run directory: recent
+    (in_use / "inductor").mkdir(parents=True)
+    two_days_ago = time.time() - 2 * 86400
+    for path in (old / "inductor", old):
+        os.utime(path, (two_days_ago, two_days_ago))
     (root / "notes").mkdir()  # not ours: kept
     here = use_kernel_cache(root, torch.device("cpu"))
     assert here == root / cache_key(torch.device("cpu"))
     assert here.name.startswith(f"torch-{torch.__version__}-") and here.name.endswith("-cpu")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(here / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(here / "triton")
-    assert sorted(p.name for p in root.iterdir()) == sorted([here.name, "notes"])
+    assert sorted(p.name for p in root.iterdir()) == sorted([here.name, in_use.name, "notes"])
     # a restart finds the same folder with what it held
     (here / "inductor" / "kernel.bin").write_bytes(b"x")
     assert use_kernel_cache(root, torch.device("cpu")) == here and (here / "inductor" / "kernel.bin").exists()
