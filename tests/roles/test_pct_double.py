@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-
 import pytest
 
-from .conftest import ROOT
-
-PCT = ROOT / "molecule" / "proxmox" / "files" / "pct"
+from .conftest import load_pct_double
 
 
 @pytest.fixture
 def pct(tmp_path, monkeypatch):
-    loader = importlib.machinery.SourceFileLoader("pct_double", str(PCT))
-    spec = importlib.util.spec_from_loader("pct_double", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    monkeypatch.setattr(module, "STATE", str(tmp_path / "state"))
-    monkeypatch.setattr(module, "LXC_PATH", str(tmp_path / "lxc"))
+    module = load_pct_double("pct_double", tmp_path, monkeypatch)
     monkeypatch.setattr(module, "running", lambda vmid: False)  # not the host's container of the same VMID
     template = tmp_path / "template"
     (template / "etc").mkdir(parents=True)

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 
 import pytest
 
-from .conftest import ROOT
-
-PCT = ROOT / "molecule" / "proxmox" / "files" / "pct"
+from .conftest import load_pct_double
 
 
 @pytest.fixture
 def pct(tmp_path, monkeypatch):
-    loader = importlib.machinery.SourceFileLoader("pct_double_strict", str(PCT))
-    spec = importlib.util.spec_from_loader("pct_double_strict", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    monkeypatch.setattr(module, "STATE", str(tmp_path / "state"))
-    monkeypatch.setattr(module, "LXC_PATH", str(tmp_path / "lxc"))
+    module = load_pct_double("pct_double_strict", tmp_path, monkeypatch)
     template = tmp_path / "rootfs"
     (template / "etc").mkdir(parents=True)
     monkeypatch.setattr(module, "AVAILABLE", {"debian-12-standard_12.7-1_amd64.tar.zst": str(template)})
