@@ -115,11 +115,16 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def torch_mode(mode: str) -> str | None:
+    """The config's mode name as `torch.compile` takes it ("default" is its None)."""
+    return None if mode == "default" else mode
+
+
 def _compile_forward(module: nn.Module, mode: str, backend: str | Callable) -> Callable:
     """`module.forward` replaced by a compiled one (hooks stay eager, outside the graph); returns the undo."""
     own = module.__dict__.get("forward")  # an instance-level forward set earlier, restored by the undo
     eager = module.forward
-    module.forward = torch.compile(eager, mode=None if mode == "default" else mode, backend=backend)
+    module.forward = torch.compile(eager, mode=torch_mode(mode), backend=backend)
 
     def undo() -> None:
         if own is None:
@@ -154,7 +159,7 @@ def compile_target_layers(target: Any, mode: str, backend: str | Callable = "ind
     layers = list(target.layers)
     _allow_recompiles(len(layers))
     _quiet_autotune_candidates(mode)
-    compiled = [torch.compile(layer.forward, mode=None if mode == "default" else mode, backend=backend)
+    compiled = [torch.compile(layer.forward, mode=torch_mode(mode), backend=backend)
                 for layer in layers]
     eager_features = target.features
 

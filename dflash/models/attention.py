@@ -103,9 +103,9 @@ def compiled_flex_attention(mode: str = "default"):
     if mode not in _COMPILED_FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        from dflash.compile import EagerFallback
+        from dflash.compile import EagerFallback, torch_mode
 
-        compiled = torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
+        compiled = torch.compile(flex_attention, dynamic=False, mode=torch_mode(mode))
         _COMPILED_FLEX[mode] = EagerFallback("flex", compiled, flex_attention)
     return _COMPILED_FLEX[mode]
 
