@@ -328,7 +328,7 @@ def sec_drafter(args):
     from dflash.compile import CompilePlan, configure
     from dflash.flops import drafter_step_flops
     from dflash.loss import weighted_block_loss
-    from dflash.models.attention import compiled_flex_attention
+    from dflash.models.attention import compiled_flex_attention, flex_options_for
 
     arch, drafter, embed, head, feats, blocks, seq = _drafter_setup(args)
     dev = device()
@@ -349,7 +349,8 @@ def sec_drafter(args):
                 ("flex+compile+fusedce", "flex", "forward", "fused"),
                 ("flex+compile+fusedce+eagerce", "flex", "forward", "fused"),
                 ("flex+layercompile+fusedce", "flex", "layers", "fused"),
-                ("flex+autotune+fusedce", "flex", "autotune", "fused")]
+                ("flex+autotune+fusedce", "flex", "autotune", "fused"),
+                ("flex+compile+fusedce+tiles", "flex", "forward", "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
@@ -367,8 +368,11 @@ def sec_drafter(args):
             return model, torch.compile(model.forward, mode="max-autotune-no-cudagraphs")
         return model, (torch.compile(model.forward) if compile_mode == "forward" else model.forward)
 
-    def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False):
-        flex = compiled_flex_attention() if (kind == "flex" and dev.type == "cuda") else None
+    def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False, tiles=False):
+        # "+tiles": flex_attention with --flex-options (JSON kernel_options, default: dflash's tuned choice)
+        options = (json.loads(args.flex_options) if args.flex_options else
+                   flex_options_for(None, dev, arch.head_dim)) if tiles else {}
+        flex = compiled_flex_attention("default", options) if (kind == "flex" and dev.type == "cuda") else None
 
         def step():
             configure(CompilePlan(loss=not eager_ce, flex=True))
@@ -385,7 +389,7 @@ def sec_drafter(args):
     for name, kind, compile_mode, impl in wanted:  # gradients of every variant at the same weights first
         model, fwd = prepare(compile_mode)
         t0 = time.perf_counter()
-        loss = step_fn(model, fwd, kind, impl, eager_ce=name.endswith("+eagerce"))()
+        loss = step_fn(model, fwd, kind, impl, eager_ce=name.endswith("+eagerce"), tiles=name.endswith("+tiles"))()
         sync()
         first = time.perf_counter() - t0
         grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
@@ -396,7 +400,7 @@ def sec_drafter(args):
         try:
             model, fwd = prepare(compile_mode)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-            step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"))
+            step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"), tiles=name.endswith("+tiles"))
             loss = step()
             t = timed(step, 2, 5)
             resident = resident_gib()  # weights, gradients and optimizer state after a step
@@ -508,27 +512,41 @@ def sec_hybrid_one(args):
     target = Target(model, default_layer_ids(L, 5))
     report = target.fast_path_report()
     batch, seq = (1, 64) if args.tiny else (args.hybrid_batch, 4096)
+    compiled = None
+    if os.environ.get("DFLASH_BENCH_COMPILE_TARGET") == "1":  # the trainer's default on CUDA (compile.target)
+        from dflash.compile import compile_target_layers
+
+        compiled = compile_target_layers(target, "default")
     ids = torch.randint(0, spec["vocab_size"], (batch, seq), device=device())
+    t_first = time.perf_counter()
     feats = target.features(ids).float()
+    t_first = time.perf_counter() - t_first
     t = timed(lambda: target.features(ids), 1, 2)
     params = sum(p.numel() for p in model.parameters())
     sample = feats[0, :64, :4096].cpu()
     torch.save(sample, OUT / f"hybrid-feats-{args.label}.pt")
     print(json.dumps({"label": args.label, "params_b": params / 1e9, "build_s": t_build, "tokens_per_s": batch * seq / t,
+                      "first_call_s": t_first, "compiled": compiled is not None,
+                      "compile_fallback": compiled.failed if compiled is not None else None,
                       "report": report.describe(), "fast": report.fast, "kernels_seen": report.kernels_seen}))
 
 
 def sec_hybrid(args):
     """Slow path vs fast path, each in its own process (transformers binds kernels at import)."""
     out = {}
-    for label, env in (("slow", {"DFLASH_BENCH_NO_KERNELS": "1"}), ("fast", {})):
+    paths = {"slow": {"DFLASH_BENCH_NO_KERNELS": "1"}, "fast": {},
+             "slowcompiled": {"DFLASH_BENCH_NO_KERNELS": "1", "DFLASH_BENCH_COMPILE_TARGET": "1"},
+             "fastcompiled": {"DFLASH_BENCH_COMPILE_TARGET": "1"}}
+    for label in args.hybrid_paths.split(","):
+        env = paths[label]
         cmd = [sys.executable, __file__, "--sections", "hybrid_one", "--out", str(OUT), "--label", label]
         if args.tiny:
             cmd.append("--tiny")
         r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=900)
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         out[label] = json.loads(lines[-1]) if lines else {"error": (r.stderr or r.stdout)[-800:]}
-        for check in ("doctor", "refuse"):
+        print(f"  hybrid {label}: {json.dumps(out[label])[:600]}", flush=True)
+        for check in ("doctor", "refuse") if args.hybrid_checks and label in ("slow", "fast") else ():
             r = subprocess.run([sys.executable, __file__, "--sections", check, "--out", str(OUT)], capture_output=True,
                                text=True, env={**os.environ, **env}, cwd=ROOT, timeout=600)
             text = (r.stdout + r.stderr).strip().splitlines()
@@ -540,8 +558,9 @@ def sec_hybrid(args):
         out["rel_err_fast_vs_slow"] = float((a - b).norm() / a.norm())
     except Exception as exc:
         out["rel_err_fast_vs_slow"] = str(exc)
-    if "tokens_per_s" in out.get("slow", {}) and "tokens_per_s" in out.get("fast", {}):
-        out["speedup"] = out["fast"]["tokens_per_s"] / out["slow"]["tokens_per_s"]
+    for label in [k for k in out if k in paths]:
+        if label != "slow" and "tokens_per_s" in out.get("slow", {}) and "tokens_per_s" in out[label]:
+            out[f"speedup_{label}_vs_slow"] = out[label]["tokens_per_s"] / out["slow"]["tokens_per_s"]
     record("hybrid", out)
 
 
@@ -584,10 +603,14 @@ def main() -> int:
     p.add_argument("--target-modes", default="max-autotune-no-cudagraphs,default",
                    help="torch.compile modes of the compiled-target rows of the features section ('' = none)")
     p.add_argument("--hybrid-batch", type=int, default=2)
+    p.add_argument("--hybrid-paths", default="slow,fast,fastcompiled",
+                   help="of slow, fast, slowcompiled, fastcompiled (compiled: the target's layers, compile.target)")
+    p.add_argument("--hybrid-checks", action="store_true", help="also run doctor and the train refusal per path")
     p.add_argument("--budgets", default="3072,6144,12288,24576")
     p.add_argument("--e2e-steps", type=int, default=12)
     p.add_argument("--drafter-variants", default="sdpa-dense,flex,flex+compile,flex+fusedce,flex+compile+fusedce,"
                    "flex+layercompile+fusedce,sdpa-dense+fusedce")
+    p.add_argument("--flex-options", default="", help="JSON kernel_options of the drafter's '+tiles' variant")
     p.add_argument("--profile", default="", help="drafter variants to profile by kernel category (CUDA)")
     p.add_argument("--no-drafter-timing", dest="drafter_timing", action="store_false")
     args = p.parse_args()

@@ -135,6 +135,7 @@ class CompileConfig:
     target_mode: str = "default"  # torch.compile mode of the target's layers (max-autotune: no faster, 10x the compile time)
     drafter_mode: str = "default"  # torch.compile mode of the drafter forward and of flex_attention
     cache_dir: str | None = None  # inductor/Triton kernel cache; default OUTPUT_DIR/compile-cache (kept across restarts)
+    flex_kernel_options: dict[str, Any] | None = None  # flex_attention tiles; null = dflash's measured choice for the GPU, {} = torch's
 
 
 @dataclass
@@ -363,6 +364,32 @@ def _resolve_paths(config: RunConfig, base: Path) -> None:
     config.drafter.init_from = fix(config.drafter.init_from)
 
 
+# torch's flex_attention kernel_options that set tiles and pipelining (each may carry a fwd_ or bwd_ prefix)
+FLEX_OPTION_NAMES = {"BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps",
+                     "num_stages", "USE_TMA"}
+FLEX_MASK_TILE = 128  # the drafter's BlockMask tile (dflash.models.attention): every kernel tile divides it
+
+
+def check_flex_options(options: dict, key: str = "compile.flex_kernel_options") -> dict[str, int | bool]:
+    """`options` as flex_attention's `kernel_options`, or a ConfigError naming the entry and what it may be."""
+    checked: dict[str, int | bool] = {}
+    for name, value in options.items():
+        base = str(name).removeprefix("fwd_").removeprefix("bwd_")
+        if base not in FLEX_OPTION_NAMES:
+            raise ConfigError(f"{key}.{name}: not a flex_attention tile option; use one of "
+                              f"{', '.join(sorted(FLEX_OPTION_NAMES))}, optionally prefixed fwd_ or bwd_")
+        if base == "USE_TMA":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key}.{name}: expected true or false, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}.{name}: expected a positive integer, got {value!r}")
+        elif base.startswith("BLOCK_") and (value & (value - 1) or FLEX_MASK_TILE % value or value < 16):
+            raise ConfigError(f"{key}.{name}: {value} must be a power of two dividing the BlockMask tile "
+                              f"({FLEX_MASK_TILE}): 16, 32, 64 or 128")
+        checked[str(name)] = value
+    return checked
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -433,6 +460,8 @@ def validate(config: RunConfig) -> None:
     _require(config.checkpoint.interval >= 1, "checkpoint.interval must be >= 1")
     _require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     _require(config.logging.interval >= 1, "logging.interval must be >= 1")
+    if config.compile.flex_kernel_options is not None:
+        check_flex_options(config.compile.flex_kernel_options)
     validate_topology(config.topology)
     _require(data.regenerate is None or config.topology.mode == "colocated",
              "data.regenerate runs inside colocated trainers only; for a disaggregated run regenerate the data "

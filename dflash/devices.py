@@ -1,4 +1,4 @@
-"""Which device this process computes on."""
+"""Which device this process computes on, and how host tensors reach it."""
 
 from __future__ import annotations
 
@@ -17,3 +17,12 @@ def pick_device(requested: str, setting: str = "runtime.device") -> torch.device
                            f"or set {setting} cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`. A host tensor goes to a GPU from pinned memory, asynchronously: a copy from pageable
+    memory would first wait for all the work already queued on the GPU (the step's previous kernels)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash.devices import to_device
+
 
 @dataclass
 class Blocks:
@@ -18,6 +20,24 @@ class Blocks:
     block_ids: torch.Tensor  # (b, m, B): [x_a, MASK, ...]
     labels: torch.Tensor  # (b, m, B-1): x_{a+k}, k = 1..B-1
     label_valid: torch.Tensor  # (b, m, B-1) bool: inside the sequence and in the loss mask
+    rows: torch.Tensor | None = None  # (N,) flat indices of the valid labels, found on the host by `to`
+
+    def row_index(self) -> torch.Tensor:
+        """Flat indices of the valid labels in (b, m, B-1), in order: the loss rows. Blocks moved by `to` carry
+        them from the host (their count is known there: no device sync); otherwise found now."""
+        if self.rows is not None:
+            return self.rows
+        return torch.nonzero(self.label_valid.flatten(), as_tuple=False).flatten()
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_index().numel())
+
+    def to(self, device) -> Blocks:
+        """The blocks on `device` with their loss rows; a GPU gets them through pinned memory, without waiting."""
+        return Blocks(*(to_device(t, device) for t in (self.anchors, self.anchor_valid, self.block_ids,
+                                                        self.labels, self.label_valid, self.row_index())))
+
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -170,18 +190,19 @@ def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, bloc
     pred = hidden[:, :, 1:, :]  # positions 1..B-1 predict x_{a+k}
     valid = blocks.label_valid
     w_pos = position_weights(bs, gamma, hidden.device)
-    rows = pred[valid]  # (N, H)
-    labels = blocks.labels[valid]
-    w = w_pos.expand(b, m, -1)[valid]
+    index = blocks.row_index()  # the valid labels' flat indices: their count is known on the host, no sync
+    rows = pred.reshape(-1, h).index_select(0, index)  # (N, H)
+    labels = blocks.labels.flatten().index_select(0, index)
+    w = w_pos.expand(b, m, -1).flatten().index_select(0, index)
     correct = torch.zeros_like(valid)
-    if rows.shape[0] == 0:
+    if index.numel() == 0:
         return hidden.sum() * 0.0, correct
     if impl == "fused" and torch.is_grad_enabled() and rows.requires_grad:
         device_type = rows.device.type
         compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                          else rows.dtype)
         total, hit = _FusedHeadCE.apply(rows, lm_head_weight, labels, w, chunk_size, compute_dtype)
-        correct[valid] = hit
+        correct.view(-1).index_copy_(0, index, hit)
         return total / w.sum(), correct
     total = rows.new_zeros((), dtype=torch.float32)
     hits = []
@@ -193,7 +214,7 @@ def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, bloc
             part, hit = _ce_chunk(rows[sl], lm_head_weight, labels[sl], w[sl])
         total = total + part
         hits.append(hit)
-    correct[valid] = torch.cat(hits)
+    correct.view(-1).index_copy_(0, index, torch.cat(hits))
     return total / w.sum(), correct
 
 
@@ -211,7 +232,7 @@ class BlockStats:
         hit = (correct & blocks.label_valid).float()
         accepted = torch.cumprod(hit, dim=-1).sum(-1)  # leading correct predictions per block
         return cls(hit.sum((0, 1)), blocks.label_valid.float().sum((0, 1)),
-                   accepted[blocks.anchor_valid].sum(), blocks.anchor_valid.float().sum())
+                   (accepted * blocks.anchor_valid).sum(), blocks.anchor_valid.float().sum())
 
     def __add__(self, other: BlockStats) -> BlockStats:
         return BlockStats(self.correct_per_pos + other.correct_per_pos, self.valid_per_pos + other.valid_per_pos,

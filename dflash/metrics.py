@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -59,4 +61,37 @@ class MetricsWindow:
                              type(self.stats).from_vector(v[3:].float()), self.started)
 
 
-__all__ = ["MetricsWindow", "StepResult"]
+class InputTimer:
+    """Seconds spent obtaining a step's inputs (the target forward, or the wait for a transfer), measured
+    without a sync: on a GPU by events around each fetch, read once the step has synced; on the CPU by the
+    host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_s = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            yield
+            self.host_s += time.perf_counter() - t0
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.append((start, end))
+
+    def collect(self) -> float:
+        """The seconds since the last collect (waits for the last fetch's end on the GPU: free after a sync)."""
+        seconds, self.host_s = self.host_s, 0.0
+        for start, end in self.events:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
+        self.events.clear()
+        return seconds
+
+
+__all__ = ["InputTimer", "MetricsWindow", "StepResult"]

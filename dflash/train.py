@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,8 +29,8 @@ from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
 from dflash.loss import BlockStats, build_blocks, position_weights, sample_anchors, weighted_block_loss
-from dflash.metrics import MetricsWindow, StepResult
-from dflash.models.attention import compiled_flex_attention, resolve_kind
+from dflash.metrics import InputTimer, MetricsWindow, StepResult
+from dflash.models.attention import compiled_flex_attention, flex_options_for, resolve_kind
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model, require_fast_path
 from dflash.notify import Notifier
@@ -236,6 +235,7 @@ class Trainer:
             self.ckpt.recover()  # temp dirs of a killed save, a lagging `latest` pointer
         layer_ids = layer_ids_of(c)
         self.device = self._device or pick_device(c.runtime.device)
+        self.input_timer = InputTimer(self.device)
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
         self.observer.heartbeat(0, 0, "starting")
         self.compile_plan, compile_line = configure_for_run(c.compile, c.output_dir, self.device)
@@ -306,7 +306,11 @@ class Trainer:
         self.gamma = c.drafter.gamma or default_gamma(c.drafter.block_size)
         self.attention_kind = resolve_kind(c.drafter.attention, self.device)
         plan = self.compile_plan
-        self._flex = compiled_flex_attention(plan.drafter_mode) if (self.attention_kind == "flex" and plan.flex) else None
+        self._flex = None
+        if self.attention_kind == "flex" and plan.flex:
+            tiles = flex_options_for(c.compile.flex_kernel_options, self.device, self.drafter.arch.head_dim)
+            self._flex = compiled_flex_attention(plan.drafter_mode, tiles)
+            log.info(f"compile: flex_attention kernel options {tiles or 'torch defaults'}")
         if plan.drafter:  # the whole forward (measured faster than per layer); the BlockMask stays eager
             compile_drafter(self.drafter, plan.drafter_mode)
 
@@ -389,13 +393,16 @@ class Trainer:
 
         `leads`: a list that receives (anchors (b, m), valid (b, m), leading correct predictions (b, m))."""
         c = self.config.drafter
-        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, num_anchors or c.num_anchors, generator)
-        blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, c.block_size,
-                              self.drafter.arch.mask_token_id)
+        host = batch.on_host  # anchors, blocks and counts come from the host copy: the GPU is never waited for
+        anchors, valid = sample_anchors(host.loss_mask, host.lengths, num_anchors or c.num_anchors, generator)
+        on_host = build_blocks(host.input_ids, host.loss_mask, host.lengths, anchors, valid, c.block_size,
+                               self.drafter.arch.mask_token_id)
+        blocks = on_host.to(self.device)
         forward = model if model is not None else self.drafter
         embed = self.source.embed_tokens()
-        self.last_flops = drafter_step_flops(self.drafter.arch, int(batch.lengths.sum()), anchors, valid,
-                                             int(blocks.label_valid.sum()))
+        self.last_flops = drafter_step_flops(self.drafter.arch, int(host.lengths.sum()), anchors, valid,
+                                             on_host.num_rows)
+        self.last_weight = self.loss_weight(on_host.label_valid)
         head = self.source.lm_head_weight()
         if self.device.type != "cuda":  # no autocast off CUDA: a bf16 target's tensors meet fp32 drafter weights
             dtype = next(self.drafter.parameters()).dtype
@@ -417,10 +424,11 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
 
-    def loss_weight(self, stats: BlockStats) -> float:
-        """Sum of the position weights of the valid labels: the denominator of this micro-batch's loss."""
-        w = position_weights(self.config.drafter.block_size, self.gamma, stats.valid_per_pos.device)
-        return float((w * stats.valid_per_pos).sum())
+    def loss_weight(self, label_valid: torch.Tensor) -> float:
+        """Sum of the position weights of the valid labels (b, m, B-1), on the host: the denominator of this
+        micro-batch's loss."""
+        w = position_weights(self.config.drafter.block_size, self.gamma, label_valid.device)
+        return float((w * label_valid.float().sum((0, 1))).sum())
 
     def train_step(self) -> tuple[int, StepResult]:
         """One optimizer step over optim.grad_accum micro-batches on each of world_size ranks.
@@ -432,31 +440,36 @@ class Trainer:
         accum = c.optim.grad_accum
         self.reducer.start_step(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = torch.zeros(2, dtype=torch.float64)
+        # No host-device sync until the step's loss is read at its end: the micro-batches' inputs, anchors,
+        # blocks and loss weights are host-side, so the GPU runs the target forward, the drafter forward, the
+        # loss and the backward back to back (docs/PERFORMANCE.md, "One sync per step").
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        weight_sum = 0.0
         stats, tokens = None, 0
         self.step_flops = 0.0
         for k in range(accum):
-            t_in = time.perf_counter()
-            epoch, batch, feats = self.source.next()
-            if self.device.type == "cuda":  # the loss below syncs anyway; this makes the input time real
-                torch.cuda.synchronize(self.device)
-            self.input_seconds += time.perf_counter() - t_in
+            with self.input_timer():
+                epoch, batch, feats = self.source.next()
             # micro-batch k of rank r is item k*world_size + r of the global batch: its anchors do not depend
             # on how the global batch is split
             generator = step_generator(c.seed, self.step, k * self.world_size + self.rank)
             with self.reducer.grad_sync(k == accum - 1):
                 loss, st = self.drafter_loss(feats, batch, generator, self.train_model)
                 self.step_flops += self.last_flops.training
-                weight = self.loss_weight(st)
+                weight = self.last_weight
                 (loss * weight).backward()
-            totals += torch.tensor([float(loss.detach()) * weight, weight], dtype=torch.float64)
+            loss_sum += loss.detach().double() * weight
+            weight_sum += weight
             stats = st if stats is None else stats + st
             tokens += batch.num_tokens
-        totals = self.reducer.reduce_step(totals)
+        totals = self.reducer.reduce_step(torch.stack([loss_sum, loss_sum.new_tensor(weight_sum)]))
         # DDP averaged the gradients over world_size ranks; undo that and divide by the global weight
-        self.optimizer_step(self.world_size / max(float(totals[1]), 1e-12))
+        weight_total = weight_sum if self.world_size == 1 else float(totals[1])
+        self.optimizer_step(self.world_size / max(weight_total, 1e-12))
         self.step += 1
-        return epoch, StepResult(float(totals[0]) / max(float(totals[1]), 1e-12), stats, tokens)
+        loss_total = float(totals[0])  # the step's one sync: the loss is checked for NaN before the next step
+        self.input_seconds += self.input_timer.collect()
+        return epoch, StepResult(loss_total / max(weight_total, 1e-12), stats, tokens)
 
     def _eval_batches(self, dataset: TokenizedSet, max_batches: int):
         """The held-out batches every eval reads (a fixed order: evals are comparable across steps)."""

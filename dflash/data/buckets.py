@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from dflash.devices import to_device
 
 
 def bucket_length(length: int, bucket_size: int, max_length: int) -> int:
@@ -51,14 +53,27 @@ class Batch:
     attention_mask: torch.Tensor  # (b, L) long
     lengths: torch.Tensor  # (b,)
     indices: list[int]
+    host: Batch | None = field(default=None, repr=False, compare=False)  # the batch in host memory, if moved
+
+    @property
+    def on_host(self) -> Batch:
+        """This batch in host memory (what anchors, blocks and counts are computed from, with no device sync)."""
+        if self.host is not None:
+            return self.host
+        if self.input_ids.device.type == "cpu":
+            return self
+        return Batch(self.input_ids.cpu(), self.loss_mask.cpu(), self.attention_mask.cpu(), self.lengths.cpu(),
+                     self.indices)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+        return int(self.on_host.lengths.sum())
 
     def to(self, device) -> Batch:
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
-                     self.lengths.to(device), self.indices)
+        """On `device`, keeping the host copy; a GPU gets it asynchronously (pinned memory)."""
+        return Batch(to_device(self.input_ids, device), to_device(self.loss_mask, device),
+                     to_device(self.attention_mask, device), to_device(self.lengths, device), self.indices,
+                     host=self.on_host)
 
 
 class RoundRobinBatchSampler:

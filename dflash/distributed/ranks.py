@@ -131,7 +131,7 @@ class DataParallel:
 
     def reduce_step(self, totals: torch.Tensor) -> torch.Tensor:
         flag = torch.tensor([1.0 if stop.requested() else 0.0], dtype=torch.float64)
-        v = torch.cat([totals, flag]).to(self.device)
+        v = torch.cat([totals.to(self.device), flag.to(self.device)])
         dist.all_reduce(v, group=self.group)
         self._stop = self._stop or float(v[2]) > 0
         return v[:2].cpu()

@@ -7,8 +7,12 @@ BlockMask (CUDA). Both read the same predicate, `visible`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from dflash.config import FLEX_MASK_TILE, check_flex_options
 
 
 def visible(q_idx, kv_idx, anchors_b, ctx_len: int, block_size: int):
@@ -30,7 +34,7 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
 
 
 @torch.compiler.disable  # eager even inside a compiled drafter forward: see the docstring
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = 128):
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_MASK_TILE):
     """BlockMask of `visible`, built from its structure instead of evaluating the predicate everywhere.
 
     Row r (block r // B, anchor a) sees the context [0, a) and its own block's keys, so the number of keys
@@ -94,20 +98,45 @@ class AttentionBackend:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
 
 
-_COMPILED_FLEX: dict[str, object] = {}
+# flex_attention's kernel tiles chosen by measurement at the drafter's training shape (bench/flex_tiles.py,
+# docs/PERFORMANCE.md), by (compute capability, head_dim) in bf16. Shapes not listed keep torch's own choice.
+# Hopper, head_dim 128: backward 64x64 tiles, 2 stages, 4 warps: 2.61 ms against torch's 64/128, 3 stages,
+# 8 warps (2.82 ms) per layer at Qwen3-8B width. (A TMA forward measured 0.1 ms faster but is left out: it
+# needs sequence lengths that are multiples of 128.)
+TUNED_FLEX_OPTIONS: dict[tuple[tuple[int, int], int], dict[str, int | bool]] = {
+    ((9, 0), 128): {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                    "bwd_num_stages": 2, "bwd_num_warps": 4},
+}
 
 
-def compiled_flex_attention(mode: str = "default"):
-    """flex_attention compiled once per process and mode (one process per GPU: no cross-thread FX tracing),
-    guarded by the eager fallback (eager flex_attention is the slow reference path)."""
-    if mode not in _COMPILED_FLEX:
+def flex_options_for(setting: dict | None, device: torch.device, head_dim: int) -> dict[str, int | bool]:
+    """The kernel_options flex_attention runs with: the config's (`{}` = torch's choice) or, unset, the tuned
+    entry for this GPU and head_dim (none: torch's choice)."""
+    if setting is not None:
+        return check_flex_options(setting)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return dict(TUNED_FLEX_OPTIONS.get((torch.cuda.get_device_capability(index), head_dim), {}))
+
+
+_COMPILED_FLEX: dict[tuple, object] = {}
+
+
+def compiled_flex_attention(mode: str = "default", kernel_options: dict | None = None):
+    """flex_attention compiled once per process, mode and kernel options (one process per GPU: no cross-thread
+    FX tracing), guarded by the eager fallback (eager flex_attention is the slow reference path)."""
+    key = (mode, tuple(sorted((kernel_options or {}).items())))
+    if key not in _COMPILED_FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         from dflash.compile import EagerFallback, torch_mode
 
-        compiled = torch.compile(flex_attention, dynamic=False, mode=torch_mode(mode))
-        _COMPILED_FLEX[mode] = EagerFallback("flex", compiled, flex_attention)
-    return _COMPILED_FLEX[mode]
+        fn = functools.partial(flex_attention, kernel_options=dict(kernel_options)) if kernel_options else flex_attention
+        compiled = torch.compile(fn, dynamic=False, mode=torch_mode(mode))
+        _COMPILED_FLEX[key] = EagerFallback("flex", compiled, fn)
+    return _COMPILED_FLEX[key]
 
 
 def resolve_kind(requested: str, device: torch.device) -> str:

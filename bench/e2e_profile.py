@@ -1,0 +1,128 @@
+"""Where the end-to-end step's time goes: the real Trainer, its steps timed, then profiled.
+
+Builds `dflash.train.Trainer` from a config (and overrides, as `dflash train` takes them), runs warm-up steps
+(compilation), times `--steps` steps (a sync after each, the trainer's own), then profiles two steps with
+torch.profiler and reports how much of their wall time the GPU was busy (the union of kernel intervals): what
+is left is the GPU waiting for the host (syncs, launches, host-side work). No logging, no checkpoints.
+
+Usage (GPU machine):  python bench/e2e_profile.py CONFIG [key=value ...] [--steps N] [--warmup N] [--label L]
+Prints one JSON line; with --out DIR appends it to DIR/e2e-profile.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def busy_ms(prof) -> tuple[float, float]:
+    """(union of the GPU kernels' intervals, sum of their durations) in ms, from a profiler's trace."""
+    spans = []
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0:
+            spans.append((ev.time_range.start, ev.time_range.end))
+    spans.sort()
+    union, total, end = 0.0, 0.0, None
+    start0 = None
+    for s, e in spans:
+        total += e - s
+        if end is None or s > end:
+            if end is not None:
+                union += end - start0
+            start0, end = s, e
+        else:
+            end = max(end, e)
+    if end is not None:
+        union += end - start0
+    return union / 1e3, total / 1e3
+
+
+def main() -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash.config import load_config
+    from dflash.train import Trainer
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    run_dir = tempfile.mkdtemp(prefix="e2e-profile-", dir=os.environ.get("RUNS_DIR", "/dev/shm"))
+    overrides = [f"output_dir={run_dir}", "logging.interval=1000000", "checkpoint.interval=1000000",
+                 "eval.speculative_prompts=0", *args.overrides]
+    config = load_config(args.config, overrides)
+    t0 = time.perf_counter()
+    trainer = Trainer(config).setup()
+    setup_s = time.perf_counter() - t0
+    trainer.drafter.train()
+    rows: list[int] = []  # sequences of each micro-batch, counted as the trainer fetches them
+    fetch = trainer.source.next
+
+    def counted():
+        epoch, batch, features = fetch()
+        rows.append(int(batch.input_ids.shape[0]))
+        return epoch, batch, features
+
+    trainer.source.next = counted
+    cuda = trainer.device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        trainer.train_step()
+    sync()
+    warmup_s = time.perf_counter() - t0
+    times, tokens = [], 0
+    rows.clear()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        _, res = trainer.train_step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        tokens += res.tokens
+    step_s = sum(times) / len(times)
+    sequences = sum(rows)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            trainer.train_step()
+        sync()
+        prof_wall_ms = (time.perf_counter() - t0) * 1e3
+    union, total = busy_ms(prof)
+    row = {"label": args.label, "overrides": args.overrides, "setup_s": round(setup_s, 1),
+           "warmup_s": round(warmup_s, 1), "steps": args.steps, "step_ms": round(step_s * 1e3, 1),
+           "step_ms_min": round(min(times) * 1e3, 1), "tokens_per_step": tokens / args.steps,
+           "tokens_per_s": round(tokens / sum(times), 1), "sequences_per_s": round(sequences / sum(times), 3),
+           "sequences_per_s_of_3072": round(tokens / sum(times) / 3072, 3),
+           "profiled_wall_ms_per_step": round(prof_wall_ms / 2, 1), "gpu_busy_ms_per_step": round(union / 2, 1),
+           "gpu_kernel_ms_per_step": round(total / 2, 1),
+           "gpu_idle_ms_per_step": round((prof_wall_ms - union) / 2, 1),
+           "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+           "loss": float(res.loss)}
+    print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.out) / "e2e-profile.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
