@@ -86,8 +86,11 @@ class EagerFallback:
 
     An error that is not the compiler's propagates unchanged (it would happen eagerly too)."""
 
-    def __init__(self, name: str, compiled: Callable, eager: Callable, undo: Callable[[], None] | None = None):
+    def __init__(self, name: str, compiled: Callable, eager: Callable, undo: Callable[[], None] | None = None,
+                 then: str | None = None):
         self.name, self.compiled, self.eager, self.undo = name, compiled, eager, undo
+        # what the log line says happens instead, and how to skip the attempt
+        self.then = then or (f"it runs eagerly (slower). Set compile.{name.split()[0]}=false to skip the attempt")
         self.failed: str | None = None
 
     def __call__(self, *args, **kwargs):
@@ -101,8 +104,7 @@ class EagerFallback:
             if not is_compile_error(exc):
                 raise
             self.failed = _one_line(exc)
-            log.warning("compile: %s could not be compiled (%s); it runs eagerly (slower). Set compile.%s=false "
-                        "to skip the attempt", self.name, self.failed, self.name.split()[0])
+            log.warning("compile: %s could not be compiled (%s); %s", self.name, self.failed, self.then)
             if self.undo is not None:
                 self.undo()
             return self.eager(*args, **kwargs)

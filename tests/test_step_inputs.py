@@ -17,7 +17,7 @@ from dflash.config import ConfigError, check_flex_options, load_config
 from dflash.data.buckets import Batch
 from dflash.loss import BlockStats, build_blocks, position_weights, sample_anchors, weighted_block_loss
 from dflash.metrics import InputTimer
-from dflash.models.attention import TUNED_FLEX_OPTIONS, compiled_flex_attention, flex_options_for
+from dflash.models.attention import TUNED_FLEX_OPTIONS, flex_options_for
 
 MASK = 49
 
@@ -118,20 +118,28 @@ def test_flex_options_default_to_the_tuned_entry_only_on_a_gpu():
         assert check_flex_options(options) == options
 
 
-def test_compiled_flex_with_options_is_one_callable_per_options_and_computes_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
+def test_compiled_flex_is_one_callable_per_options_and_passes_them_to_flex_attention(monkeypatch):
+    from torch.nn.attention import flex_attention as flex_module
 
-    from dflash.models.attention import flex_block_mask
+    import dflash.models.attention as attention
 
-    plain = compiled_flex_attention("default")
-    tuned = compiled_flex_attention("default", {"bwd_num_warps": 4})
-    assert tuned is compiled_flex_attention("default", {"bwd_num_warps": 4}) and tuned is not plain
-    assert tuned.eager.keywords == {"kernel_options": {"bwd_num_warps": 4}}
-    anchors = torch.tensor([[3, 9, 20]])
-    mask = flex_block_mask(anchors, 32, 4)
-    q, k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 44, 8), torch.randn(1, 2, 44, 8)
-    want = flex_attention(q, k, v, block_mask=mask)
-    assert torch.allclose(tuned.eager(q, k, v, block_mask=mask), want, atol=1e-6)
+    seen = []
+
+    def spy(q, k, v, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return q
+
+    monkeypatch.setattr(flex_module, "flex_attention", spy)
+    monkeypatch.setattr(torch, "compile", lambda fn, **_kwargs: fn)  # the callable itself: what it passes is seen
+    monkeypatch.setattr(attention, "_COMPILED_FLEX", {})
+    plain = attention.compiled_flex_attention("default")
+    tuned = attention.compiled_flex_attention("default", {"bwd_num_warps": 4})
+    assert tuned is attention.compiled_flex_attention("default", {"bwd_num_warps": 4}) and tuned is not plain
+    assert tuned.eager is plain  # its fallback: torch's own tiles, compiled
+    q = torch.randn(1, 2, 4, 8)
+    tuned(q, q, q, block_mask=None)
+    plain(q, q, q, block_mask=None)
+    assert seen == [{"bwd_num_warps": 4}, None]
 
 
 def test_the_trainer_hands_its_flex_options_to_flex_attention(tiny_config, monkeypatch, capsys):
@@ -150,3 +158,44 @@ def test_the_trainer_hands_its_flex_options_to_flex_attention(tiny_config, monke
     train_module.Trainer(tiny_config).setup()
     assert seen == [("default", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N2": 32})]
     assert "flex_attention kernel options {'bwd_BLOCK_M1': 32, 'bwd_BLOCK_N2': 32}" in capsys.readouterr().out
+
+
+def test_flex_tiles_that_fail_to_compile_fall_back_to_torchs_tiles_not_to_eager(monkeypatch, caplog):
+    """A tile choice the compiler rejects (say, too much shared memory on another GPU) costs one log line and
+    the run goes on with torch's own tiles, compiled: not with the eager reference, which materialises every
+    score."""
+    import functools
+    import logging
+
+    from torch._dynamo.exc import TorchDynamoException
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import dflash.models.attention as attention
+
+    compiled_calls = []
+    real_compile = torch.compile
+
+    def fake_compile(fn, **kwargs):
+        if fn is not flex_attention and not isinstance(fn, functools.partial):
+            return real_compile(fn, **kwargs)  # flex_attention's own internal use
+
+        def run(*args, **kwargs):
+            if isinstance(fn, functools.partial):
+                raise TorchDynamoException("out of resource: shared memory")
+            compiled_calls.append(fn)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(attention, "_COMPILED_FLEX", {})
+    tuned = attention.compiled_flex_attention("default", {"bwd_BLOCK_M1": 128})
+    mask = attention.flex_block_mask(torch.tensor([[3, 9, 20]]), 32, 4)
+    q, k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 44, 8), torch.randn(1, 2, 44, 8)
+    with caplog.at_level(logging.WARNING, logger="dflash.compile"):
+        out = tuned(q, k, v, block_mask=mask)
+        again = tuned(q, k, v, block_mask=mask)
+    assert torch.allclose(out, flex_attention(q, k, v, block_mask=mask), atol=1e-6) and torch.equal(out, again)
+    assert compiled_calls == [flex_attention, flex_attention]  # torch's tiles, through the compiled path
+    lines = [r.getMessage() for r in caplog.records if "could not be compiled" in r.getMessage()]
+    assert len(lines) == 1 and "flex with kernel options {'bwd_BLOCK_M1': 128}" in lines[0]
+    assert "it runs with torch's own tiles" in lines[0] and "compile.flex_kernel_options={}" in lines[0]

@@ -126,16 +126,23 @@ _COMPILED_FLEX: dict[tuple, object] = {}
 
 def compiled_flex_attention(mode: str = "default", kernel_options: dict | None = None):
     """flex_attention compiled once per process, mode and kernel options (one process per GPU: no cross-thread
-    FX tracing), guarded by the eager fallback (eager flex_attention is the slow reference path)."""
+    FX tracing), guarded by a fallback: with kernel options, to torch's own tiles (compiled); without, to eager
+    flex_attention (the slow reference path). Each fallback logs one line."""
     key = (mode, tuple(sorted((kernel_options or {}).items())))
     if key not in _COMPILED_FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         from dflash.compile import EagerFallback, torch_mode
 
-        fn = functools.partial(flex_attention, kernel_options=dict(kernel_options)) if kernel_options else flex_attention
-        compiled = torch.compile(fn, dynamic=False, mode=torch_mode(mode))
-        _COMPILED_FLEX[key] = EagerFallback("flex", compiled, fn)
+        if kernel_options:
+            fn = functools.partial(flex_attention, kernel_options=dict(kernel_options))
+            compiled = torch.compile(fn, dynamic=False, mode=torch_mode(mode))
+            _COMPILED_FLEX[key] = EagerFallback(
+                f"flex with kernel options {dict(kernel_options)}", compiled, compiled_flex_attention(mode),
+                then="it runs with torch's own tiles. Set compile.flex_kernel_options={} to skip the attempt")
+        else:
+            compiled = torch.compile(flex_attention, dynamic=False, mode=torch_mode(mode))
+            _COMPILED_FLEX[key] = EagerFallback("flex", compiled, flex_attention)
     return _COMPILED_FLEX[key]
 
 
