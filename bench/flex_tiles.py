@@ -27,27 +27,24 @@ sys.path.insert(0, str(ROOT))
 
 # (name, kernel_options). Backward: BLOCK_M1/BLOCK_N1 tile the dK/dV pass (a KV tile walks the query tiles
 # that see it), BLOCK_M2/BLOCK_N2 the dQ pass; each must divide the BlockMask tile (128).
+def bwd(m: int, n: int, stages: int, warps: int) -> dict:
+    """Backward tiles in torch's symmetric pairing: dK/dV m x n, dQ n x m."""
+    return {"bwd_BLOCK_M1": m, "bwd_BLOCK_N1": n, "bwd_BLOCK_M2": n, "bwd_BLOCK_N2": m,
+            "bwd_num_stages": stages, "bwd_num_warps": warps}
+
+
+def fwd(m: int, n: int, stages: int, warps: int) -> dict:
+    return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "fwd_num_stages": stages, "fwd_num_warps": warps}
+
+
 CANDIDATES: list[tuple[str, dict]] = [
     ("default", {}),
-    ("bwd 64/64 s3 w4", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                         "bwd_num_stages": 3, "bwd_num_warps": 4}),
-    ("bwd 64/64 s3 w8", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                         "bwd_num_stages": 3, "bwd_num_warps": 8}),
-    ("bwd 64/64 s2 w4", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                         "bwd_num_stages": 2, "bwd_num_warps": 4}),
-    ("bwd 32/64 s3 w4", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-                         "bwd_num_stages": 3, "bwd_num_warps": 4}),
-    ("bwd 32/64 s4 w4", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-                         "bwd_num_stages": 4, "bwd_num_warps": 4}),
-    ("bwd 32/128 s3 w8", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
-                          "bwd_num_stages": 3, "bwd_num_warps": 8}),
-    ("bwd 64/128 s2 w8", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                          "bwd_num_stages": 2, "bwd_num_warps": 8}),
-    ("bwd 32/32 s3 w4", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 32,
-                         "bwd_num_stages": 3, "bwd_num_warps": 4}),
+    *((f"bwd {m}/{n} s{s} w{w}", bwd(m, n, s, w)) for m, n, s, w in (
+        (64, 64, 3, 4), (64, 64, 3, 8), (64, 64, 2, 4), (32, 64, 3, 4), (32, 64, 4, 4), (32, 128, 3, 8),
+        (64, 128, 2, 8), (32, 32, 3, 4))),
     ("bwd 64/128 s3 w8 tma", {"bwd_USE_TMA": True}),
-    ("fwd 128/128 s2 w8", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8}),
-    ("fwd 64/128 s3 w4", {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 4}),
+    ("fwd 128/128 s2 w8", fwd(128, 128, 2, 8)),
+    ("fwd 64/128 s3 w4", fwd(64, 128, 3, 4)),
     ("fwd tma", {"fwd_USE_TMA": True}),
 ]
 
