@@ -39,7 +39,6 @@ class Blocks:
                                                         self.labels, self.label_valid, self.row_index())))
 
 
-
 def valid_anchor_positions(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
     """Positions a whose first label x_{a+1} is a loss (assistant) token. loss_mask: (T,) bool."""
     if length < 2:

@@ -135,8 +135,9 @@ class StepReducer(Protocol):
 
     def grad_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager: ...
 
-    def reduce_step(self, totals: torch.Tensor) -> torch.Tensor:
-        """[weighted loss, weight] summed over the ranks; also where the ranks agree to stop."""
+    def reduce_step(self, loss_sum: torch.Tensor, weight_sum: float) -> tuple[torch.Tensor, float]:
+        """This rank's weighted loss (a 0-d tensor, left on its device) and loss weight, summed over the ranks;
+        also where the ranks agree to stop."""
 
     def reduce_window(self, window: MetricsWindow) -> MetricsWindow: ...
 
@@ -157,8 +158,8 @@ class SingleProcess:
     def grad_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def reduce_step(self, totals: torch.Tensor) -> torch.Tensor:
-        return totals
+    def reduce_step(self, loss_sum: torch.Tensor, weight_sum: float) -> tuple[torch.Tensor, float]:
+        return loss_sum, weight_sum  # nothing to sum, and no sync
 
     def reduce_window(self, window: MetricsWindow) -> MetricsWindow:
         return window
@@ -462,12 +463,11 @@ class Trainer:
             weight_sum += weight
             stats = st if stats is None else stats + st
             tokens += batch.num_tokens
-        totals = self.reducer.reduce_step(torch.stack([loss_sum, loss_sum.new_tensor(weight_sum)]))
+        loss_total, weight_total = self.reducer.reduce_step(loss_sum, weight_sum)
         # DDP averaged the gradients over world_size ranks; undo that and divide by the global weight
-        weight_total = weight_sum if self.world_size == 1 else float(totals[1])
         self.optimizer_step(self.world_size / max(weight_total, 1e-12))
         self.step += 1
-        loss_total = float(totals[0])  # the step's one sync: the loss is checked for NaN before the next step
+        loss_total = float(loss_total)  # the step's one sync: the loss is checked for NaN before the next step
         self.input_seconds += self.input_timer.collect()
         return epoch, StepResult(loss_total / max(weight_total, 1e-12), stats, tokens)
 

@@ -67,7 +67,7 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.on_host.lengths.sum())
+        return int((self.host if self.host is not None else self).lengths.sum())
 
     def to(self, device) -> Batch:
         """On `device`, keeping the host copy; a GPU gets it asynchronously (pinned memory)."""

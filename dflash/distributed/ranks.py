@@ -129,12 +129,14 @@ class DataParallel:
         """Gradients are all-reduced only in the backward of the last micro-batch."""
         return contextlib.nullcontext() if last_micro_batch else self.ddp.no_sync()
 
-    def reduce_step(self, totals: torch.Tensor) -> torch.Tensor:
-        flag = torch.tensor([1.0 if stop.requested() else 0.0], dtype=torch.float64)
-        v = torch.cat([totals.to(self.device), flag.to(self.device)])
+    def reduce_step(self, loss_sum: torch.Tensor, weight_sum: float) -> tuple[torch.Tensor, float]:
+        flag = 1.0 if stop.requested() else 0.0
+        v = torch.stack([loss_sum.to(self.device, torch.float64),
+                         *torch.tensor([weight_sum, flag], dtype=torch.float64, device=self.device)])
         dist.all_reduce(v, group=self.group)
+        v = v.cpu()
         self._stop = self._stop or float(v[2]) > 0
-        return v[:2].cpu()
+        return v[0], float(v[1])
 
     def reduce_window(self, window: MetricsWindow) -> MetricsWindow:
         v = window.to_vector().to(self.device)
