@@ -546,6 +546,7 @@ def sec_hybrid(args):
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         out[label] = json.loads(lines[-1]) if lines else {"error": (r.stderr or r.stdout)[-800:]}
         print(f"  hybrid {label}: {json.dumps(out[label])[:600]}", flush=True)
+        record("hybrid", out)  # each path as it finishes: a call that runs out of time keeps what it measured
         for check in ("doctor", "refuse") if args.hybrid_checks and label in ("slow", "fast") else ():
             r = subprocess.run([sys.executable, __file__, "--sections", check, "--out", str(OUT)], capture_output=True,
                                text=True, env={**os.environ, **env}, cwd=ROOT, timeout=600)

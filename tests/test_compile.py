@@ -75,16 +75,36 @@ def _target(spec=None):
 
 
 def test_compiled_hybrid_target_layers_give_the_eager_features():
-    """GatedDeltaNet layers (here their PyTorch path: no fast kernels on the CPU) compile too."""
+    """The layers of a hybrid target compile around their GatedDeltaNet mixers (here the PyTorch path: no
+    fast kernels on the CPU), which stay eager: traced, the fast kernels were slower than eager."""
     from dflash.doctor import PROBE_HYBRID
 
     eager, compiled = _target(PROBE_HYBRID), _target(PROBE_HYBRID)
+    mixers = [m for m in compiled.model.modules() if "GatedDeltaNet" in type(m).__name__]
+    assert mixers
+    traced = []
+    for mixer in mixers:
+        inner = mixer.forward
+
+        def recording(*args, inner=inner, **kwargs):
+            traced.append(torch.compiler.is_compiling())
+            return inner(*args, **kwargs)
+        mixer.forward = recording
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
     ids = torch.randint(0, PROBE_HYBRID["vocab_size"], (2, 16))
     reference = eager.features(ids)
-    guard = compile_target_layers(compiled, mode="default")
+    guard = compile_target_layers(compiled, mode="default", backend=counting_backend)
     out = compiled.features(ids)
     assert guard.failed is None
     assert torch.allclose(out, reference, atol=1e-4, rtol=1e-4)
+    assert graphs, "the layers were not compiled"
+    assert traced and not any(traced), "a GatedDeltaNet mixer ran inside a compiled graph"
+    assert any("linear_attn" not in str(gm.graph) and "mlp" in str(gm.graph) for gm in graphs)
 
 
 def test_compiled_target_layers_give_the_eager_features_and_stop_early():
