@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,10 +163,11 @@ def eos_ids_of(tokenizer) -> list[int]:
 @torch.no_grad()
 def evaluate_speculative(target: Target, drafter: Drafter, prompts: list[Prompt], max_new_tokens: int,
                          eos_ids: list[int], vocab_limit: int | None = None, check_lossless: bool = True,
-                         timings: bool = True) -> EvalReport:
+                         timings: bool = True, before_prompt: Callable[[], None] | None = None) -> EvalReport:
     """Decode every prompt greedily twice (target alone, then with the drafter) and compare.
 
-    `check_lossless=True` raises `LosslessnessError` at the first mismatch; otherwise it is reported."""
+    `check_lossless=True` raises `LosslessnessError` at the first mismatch; otherwise it is reported.
+    `before_prompt` is called before each prompt (the trainer's stop check, which may raise)."""
     if drafter.arch.mask_token_id >= target.vocab_size:
         raise BadInput(f"drafter mask_token_id {drafter.arch.mask_token_id} is outside the target's vocabulary")
     was_training = drafter.training
@@ -175,6 +177,8 @@ def evaluate_speculative(target: Target, drafter: Drafter, prompts: list[Prompt]
     tie_tolerance = TIE_TOLERANCE.get(next(target.model.parameters()).dtype, 0.0)
     try:
         for p in prompts:
+            if before_prompt is not None:
+                before_prompt()
             ref = greedy_generate(target, p.ids, max_new_tokens, eos_ids, vocab_limit)
             spec = speculative_generate(target, drafter, p.ids, max_new_tokens, eos_ids, vocab_limit)
             diff = first_difference(ref.tokens, spec.tokens)

@@ -9,6 +9,8 @@ A stop signal never kills a dflash process mid-work; what it does depends on the
   per-step all-reduce), the launcher passes it on to its ranks;
 * a target rank (`hold()`): the signal is absorbed; the drafter ranks decide when to stop and tell it
   (STOP credits, distributed/transfer.py);
+* work that a stop may cut short (an eval) calls `check()` between its pieces: it raises `Interrupted` once a
+  stop is requested, and the caller skips the rest (a checkpoint never waits for an eval);
 * `finished()`: the work is done; a late signal must not turn a clean exit into death by signal (CPython
   restores the default handlers while the interpreter shuts down).
 """
@@ -61,6 +63,16 @@ def install(announce: Callable[[int], None] | None = None) -> StopRequest:
 def requested() -> bool:
     """Whether a stop signal arrived since the last `install()` started the state afresh."""
     return _installed() and _STOP.requested
+
+
+class Interrupted(Exception):
+    """A stop request cut the work under way short (raised by `check()`)."""
+
+
+def check() -> None:
+    """Raise `Interrupted` if a stop has been requested (a stop point inside work that may end early)."""
+    if requested():
+        raise Interrupted(f"signal {_STOP.signum}")
 
 
 def _absorb(_signum, _frame) -> None:

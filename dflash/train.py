@@ -487,10 +487,14 @@ class Trainer:
             return None
         total = None
         self.drafter.eval()
-        for i, batch in self._eval_batches(dataset, max_batches):
-            _, stats = self.drafter_loss(self.source.features(batch), batch, step_generator(999, i, 0), self.drafter.forward)
-            total = stats if total is None else total + stats
-        self.drafter.train()
+        try:
+            for i, batch in self._eval_batches(dataset, max_batches):
+                stop.check()  # a stop request ends the eval here (`_report_eval` skips the rest)
+                _, stats = self.drafter_loss(self.source.features(batch), batch, step_generator(999, i, 0),
+                                             self.drafter.forward)
+                total = stats if total is None else total + stats
+        finally:
+            self.drafter.train()
         return total
 
     @torch.no_grad()
@@ -506,9 +510,16 @@ class Trainer:
         dataset = dataset or self.eval_set
         if dataset is None or len(dataset) == 0:
             return None
-        rounds = committed = 0
         self.drafter.eval()
+        try:
+            return self._walk(dataset, max_batches)
+        finally:
+            self.drafter.train()
+
+    def _walk(self, dataset: TokenizedSet, max_batches: int) -> float | None:
+        rounds = committed = 0
         for i, batch in self._eval_batches(dataset, max_batches):
+            stop.check()
             leads: list = []
             self.drafter_loss(self.source.features(batch), batch, step_generator(999, i, 0), self.drafter.forward,
                               num_anchors=int(batch.input_ids.shape[1]), leads=leads)
@@ -523,7 +534,6 @@ class Trainer:
                     rounds += 1
                     committed += table[a] + 1
                     a += table[a] + 1
-        self.drafter.train()
         return committed / rounds if rounds else None
 
     # ------------------------------------------------------------------------------------------ loop
@@ -606,6 +616,14 @@ class Trainer:
                 log.info("eval skipped: disaggregated drafter ranks hold no target "
                          "(evaluate the exported drafter with `dflash export` and a serving engine)")
             return None
+        try:
+            return self._eval_record()
+        except stop.Interrupted:
+            # the steps and their checkpoint are not waited on by an eval: a stop ends it where it is
+            self.observer.event(f"eval step {self.step}: interrupted by a stop request; no eval numbers for this step")
+            return None
+
+    def _eval_record(self) -> dict[str, Any] | None:
         stats = self.evaluate()
         if stats is None:
             return None
@@ -643,7 +661,8 @@ class Trainer:
             return None
         with torch.no_grad(), self.autocast():
             return evaluate_speculative(self.target, self.drafter, prompts, e.max_new_tokens, eos_ids_of(self.tokenizer),
-                                        vocab_limit=len(self.tokenizer), check_lossless=False)
+                                        vocab_limit=len(self.tokenizer), check_lossless=False,
+                                        before_prompt=stop.check)
 
 
 def run_to_end(trainer: Trainer) -> dict[str, Any]:
@@ -667,7 +686,8 @@ def train(config: RunConfig) -> dict[str, Any]:
         log.info("received a stop signal during start-up: not starting")
         return {"step": 0, "stopped": True}
     trainer = Trainer(config).setup()
-    stop.install(lambda signum: log.info(f"received signal {signum}: checkpointing at the next step boundary"))
+    stop.install(lambda signum: log.info(f"received signal {signum}: stopping at the next step boundary with a "
+                                         f"checkpoint (an eval under way ends early)"))
     if stop.requested():
         log.info("received a stop signal during start-up: stopping before training")
     try:

@@ -163,3 +163,62 @@ def test_fused_loss_trains_like_the_checkpointed_loss(tiny_config, tmp_path):
     assert la == pytest.approx(lb, rel=1e-5)
     for k in wa:  # AdamW turns fp32 rounding of near-zero gradients into updates of up to ~lr (3e-3 here)
         assert torch.allclose(wa[k], wb[k], atol=1e-4), k
+
+
+@pytest.fixture
+def stop_handlers():
+    """The process's stop handlers as they were before the test (a trainer's run installs its own)."""
+    from dflash import stop
+
+    saved = {s: signal.getsignal(s) for s in stop.SIGNALS}
+    yield stop
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def _count_eval_features(trainer, stop_after=None):
+    """Wrap the trainer's feature source: count the calls made after training ended (the final eval's), and
+    send this process SIGTERM on the `stop_after`-th of them."""
+    calls = []
+    features = trainer.source.features
+
+    def counted(batch):
+        if trainer.step >= trainer.total_steps:
+            calls.append(batch)
+            if stop_after is not None and len(calls) == stop_after:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return features(batch)
+    trainer.source.features = counted
+    return calls
+
+
+def test_a_stop_during_the_final_eval_ends_it_early_and_keeps_the_checkpoint(tiny_config, tmp_path,
+                                                                              stop_handlers, caplog):
+    """systemd gives a stopped unit TimeoutStopSec before SIGKILL: the final eval (with a large target,
+    minutes of decoding) must not hold the exit; the last step's checkpoint is already written."""
+    import copy
+    import logging
+
+    tiny_config.optim.max_steps = 4
+    tiny_config.checkpoint.interval = 100
+    tiny_config.eval.speculative_prompts = 2
+    whole = copy.deepcopy(tiny_config)
+    whole.output_dir = str(tmp_path / "whole")
+    full = Trainer(whole).setup()
+    all_calls = _count_eval_features(full)
+    assert "eval_tau" in full.run()
+    assert len(all_calls) >= 2  # the eval's batch and the walk's, then the speculative decoding
+
+    stop_handlers.install(lambda signum: None)  # what `dflash train` installs
+    trainer = Trainer(tiny_config).setup()
+    calls = _count_eval_features(trainer, stop_after=1)
+    with caplog.at_level(logging.INFO):
+        result = trainer.run()
+    assert len(calls) == 1  # the eval stopped at its next batch: no walk, no speculative decoding
+    assert "eval_tau" not in result and "eval_acceptance_length" not in result
+    assert result["step"] == 4 and not result["stopped"]  # the training itself finished
+    assert trainer.drafter.training  # the eval's mode switch was undone
+    assert trainer.ckpt.latest_valid() == trainer.ckpt.path_for(4)
+    assert any("interrupted by a stop request" in r.getMessage() for r in caplog.records)
+    beat = json.loads((Path(tiny_config.output_dir) / "heartbeat.json").read_text())
+    assert beat["status"] == "finished" and beat["step"] == 4
