@@ -77,9 +77,11 @@ def build_run_inputs(config: RunConfig, target: Target | None = None, layer_ids:
     train_set, eval_set = load_datasets(c, tokenizer, target)
     if target is not None:
         check_token_range(train_set, target.vocab_size)
+    padding = BatchShape.of(c.data).padding_share(train_set.lengths())
     log.info(f"data: {len(train_set)} training samples ({train_set.dropped_few_loss_tokens} "
              f"dropped with < {c.data.min_loss_tokens} loss tokens, {train_set.truncated} "
-             f"truncated to {c.data.max_length}); eval: {len(eval_set) if eval_set else 0}")
+             f"truncated to {c.data.max_length}); eval: {len(eval_set) if eval_set else 0}; "
+             f"padding {100 * padding:.1f}% of the positions (data.bucket_size {c.data.bucket_size})")
     return RunInputs(c, tokenizer, train_set, eval_set, layer_ids)
 
 

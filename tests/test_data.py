@@ -109,6 +109,17 @@ def test_sampler_shards_batches_evenly_across_ranks():
     assert len(seen) == len(set(seen))
 
 
+def test_padding_share_counts_the_positions_the_buckets_add():
+    shape = BatchShape(token_budget=12288, bucket_size=512, max_length=3072)
+    # 2600 -> 3072 (472 padded), 3072 -> 3072 (none), 3100 truncated to 3072 (none), 100 -> 512 (412)
+    lengths = [2600, 3072, 3100, 100]
+    assert shape.padding_share(lengths) == pytest.approx((472 + 412) / (3 * 3072 + 512))
+    finer = BatchShape(token_budget=12288, bucket_size=128, max_length=3072)
+    assert finer.padding_share(lengths) < shape.padding_share(lengths)
+    assert finer.padding_share([2688, 128]) == 0.0
+    assert shape.padding_share([]) == 0.0
+
+
 def test_bucket_length_and_collate():
     assert bucket_length(17, 16, 64) == 32 and bucket_length(70, 16, 64) == 64
     samples = [(torch.tensor([1, 2, 3]), torch.tensor([False, True, True])), (torch.tensor([4]), torch.tensor([True]))]

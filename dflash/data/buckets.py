@@ -35,6 +35,13 @@ class BatchShape:
     def rows(self, bucket_len: int) -> int:
         return max(1, self.token_budget // bucket_len)
 
+    def padding_share(self, lengths: list[int]) -> float:
+        """The share of the padded positions (each sequence rounded up to its bucket) that are padding: work
+        the target's forward does for nothing (a smaller bucket_size lowers it, at one compiled shape more
+        per bucket)."""
+        padded = sum(self.bucket_length(n) for n in lengths)
+        return 1.0 - sum(min(n, self.max_length) for n in lengths) / padded if padded else 0.0
+
     @property
     def max_rows(self) -> int:
         """Rows of the largest batch: that of the shortest bucket."""
@@ -98,6 +105,13 @@ class RoundRobinBatchSampler:
         self.epoch = 0
         self.index = 0  # batches of this epoch already consumed by this rank
         self._cache: tuple[int, list[tuple[int, list[int]]]] | None = None
+
+    def padding_share(self, lengths: list[int]) -> float:
+        """The share of the padded positions (each sequence rounded up to its bucket) that are padding: work
+        the target's forward does for nothing (a smaller bucket_size lowers it, at one compiled shape more
+        per bucket)."""
+        padded = sum(self.bucket_length(n) for n in lengths)
+        return 1.0 - sum(min(n, self.max_length) for n in lengths) / padded if padded else 0.0
 
     @property
     def max_rows(self) -> int:
