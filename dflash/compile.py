@@ -159,18 +159,15 @@ Qwen3.6-27B-shaped forward 0.76x its eager fast path (docs/PERFORMANCE.md); the 
 attention layers around them still compile."""
 
 
-def keep_mixers_eager(layers: list[nn.Module]) -> int:
+def keep_mixers_eager(layers: list[nn.Module]) -> None:
     """Wrap the `EAGER_MIXERS` modules' forward in `torch.compiler.disable` (a graph break around each, no
-    change eagerly); returns how many there are."""
-    count = 0
+    change eagerly); a module already wrapped is left as it is."""
     for layer in layers:
         for module in layer.modules():
-            if any(part in type(module).__name__ for part in EAGER_MIXERS):
-                if not getattr(module, "_dflash_kept_eager", False):  # not wrapped yet
-                    module.forward = torch.compiler.disable(module.forward)
-                    module._dflash_kept_eager = True
-                count += 1
-    return count
+            if any(part in type(module).__name__ for part in EAGER_MIXERS) and not getattr(
+                    module, "_dflash_kept_eager", False):
+                module.forward = torch.compiler.disable(module.forward)
+                module._dflash_kept_eager = True
 
 
 def compile_target_layers(target: Any, mode: str, backend: str | Callable = "inductor") -> EagerFallback:

@@ -106,13 +106,6 @@ class RoundRobinBatchSampler:
         self.index = 0  # batches of this epoch already consumed by this rank
         self._cache: tuple[int, list[tuple[int, list[int]]]] | None = None
 
-    def padding_share(self, lengths: list[int]) -> float:
-        """The share of the padded positions (each sequence rounded up to its bucket) that are padding: work
-        the target's forward does for nothing (a smaller bucket_size lowers it, at one compiled shape more
-        per bucket)."""
-        padded = sum(self.bucket_length(n) for n in lengths)
-        return 1.0 - sum(min(n, self.max_length) for n in lengths) / padded if padded else 0.0
-
     @property
     def max_rows(self) -> int:
         return self.shape.max_rows
