@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins
 
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 test: host-setup lint pytest molecule
 
@@ -68,8 +68,10 @@ stop: $(STAMP)
 	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/stop.yml
 
 # Every molecule scenario (real LXC containers; see docs/operations.md).
+# The whole log is kept in .molecule.log; on a failure its failed tasks are printed again at the end.
 molecule: host-setup
-	$(ANSIBLE_ENV) molecule test --all
+	set -o pipefail; $(ANSIBLE_ENV) molecule test --all 2>&1 | tee .molecule.log \
+		|| { scripts/show-failures.sh .molecule.log; exit 1; }
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .molecule.log

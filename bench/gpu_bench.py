@@ -233,7 +233,8 @@ def _drafter_setup(args):
     loss_mask[:, seq // 8:] = True  # a prompt then a long response
     lengths = torch.tensor([seq])
     anchors, valid = sample_anchors(loss_mask, lengths, anchors_n, torch.Generator().manual_seed(0))
-    blocks = build_blocks(ids, loss_mask.to(dev), lengths.to(dev), anchors, valid, bsz, 0)
+    # built on the host and moved with their loss rows, as the trainer does (no device sync for the rows)
+    blocks = build_blocks(ids.cpu(), loss_mask, lengths, anchors, valid, bsz, 0).to(dev)
     return arch, drafter, embed, head, feats, blocks, seq
 
 
@@ -350,7 +351,10 @@ def sec_drafter(args):
                 ("flex+compile+fusedce+eagerce", "flex", "forward", "fused"),
                 ("flex+layercompile+fusedce", "flex", "layers", "fused"),
                 ("flex+autotune+fusedce", "flex", "autotune", "fused"),
-                ("flex+compile+fusedce+tiles", "flex", "forward", "fused")]
+                ("flex+compile+fusedce+tiles", "flex", "forward", "fused"),
+                # "+graph": the whole step (forward, loss, backward, AdamW) captured once in a CUDA graph and
+                # replayed: no launch gaps and no host work per step (static shapes; capturable AdamW)
+                ("flex+compile+fusedce+tiles+graph", "flex", "forward", "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
@@ -368,16 +372,18 @@ def sec_drafter(args):
             return model, torch.compile(model.forward, mode="max-autotune-no-cudagraphs")
         return model, (torch.compile(model.forward) if compile_mode == "forward" else model.forward)
 
-    def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False, tiles=False):
+    def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False, tiles=False, graph=False):
         # "+tiles": flex_attention with --flex-options (JSON kernel_options, default: dflash's tuned choice)
         options = (json.loads(args.flex_options) if args.flex_options else
                    flex_options_for(None, dev, arch.head_dim)) if tiles else {}
         flex = compiled_flex_attention("default", options) if (kind == "flex" and dev.type == "cuda") else None
 
-        def step():
+        def step(zero=True):
             configure(CompilePlan(loss=not eager_ce, flex=True))
-            model.zero_grad(set_to_none=True)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            if zero:
+                model.zero_grad(set_to_none=True)
+            # (a captured region must not reuse autocast's cached casts: torch.cuda.graph's documentation)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda", cache_enabled=not graph):
                 hidden = fwd(feats, blocks.block_ids, blocks.anchors, embed, kind, flex)
                 loss, _ = weighted_block_loss(hidden, head, blocks, 7.0, 4096, impl)
             loss.backward()
@@ -386,10 +392,30 @@ def sec_drafter(args):
             return loss
         return step
 
+    def graphed(step, model):
+        """`step` captured whole in a CUDA graph (after warm-up steps on a side stream, as torch's docs do for
+        whole-network capture); the returned function replays it and gives the loss of that replay."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        model.zero_grad(set_to_none=True)  # the graph allocates the gradients in its pool; each replay rewrites them
+        with torch.cuda.graph(graph):
+            loss = step(zero=False)
+
+        def replay():
+            graph.replay()
+            return loss
+        return replay
+
     for name, kind, compile_mode, impl in wanted:  # gradients of every variant at the same weights first
         model, fwd = prepare(compile_mode)
         t0 = time.perf_counter()
-        loss = step_fn(model, fwd, kind, impl, eager_ce=name.endswith("+eagerce"), tiles=name.endswith("+tiles"))()
+        loss = step_fn(model, fwd, kind, impl, eager_ce=name.endswith("+eagerce"),
+                       tiles=name.endswith("+tiles") or name.endswith("+tiles+graph"))()
         sync()
         first = time.perf_counter() - t0
         grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
@@ -399,8 +425,22 @@ def sec_drafter(args):
     for name, kind, compile_mode, impl in wanted if args.drafter_timing else []:
         try:
             model, fwd = prepare(compile_mode)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
-            step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"), tiles=name.endswith("+tiles"))
+            graph = name.endswith("+graph")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda", capturable=graph)
+            step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"),
+                           tiles=name.endswith("+tiles") or name.endswith("+tiles+graph"), graph=graph)
+            if graph:
+                eager_step = step
+                step = graphed(step, model)
+                weights = [p.detach().clone() for p in model.parameters()]
+                replayed = float(step().detach())  # the loss at `weights`, from the graph
+                with torch.no_grad():
+                    for p, w0 in zip(model.parameters(), weights, strict=True):
+                        p.copy_(w0)  # in place: the graph reads the same addresses
+                eager = float(eager_step().detach())  # the same weights, eagerly
+                out["variants"][name]["graph_loss_vs_eager"] = [replayed, eager]
+                print(f"  {name}: loss from the graph {replayed:.6f}, eagerly {eager:.6f}", flush=True)
+                del weights
             loss = step()
             t = timed(step, 2, 5)
             resident = resident_gib()  # weights, gradients and optimizer state after a step

@@ -25,6 +25,13 @@ def show(unit):
     return props
 
 
+def last_ping(unit):
+    """CLOCK_MONOTONIC time (s) of the last watchdog ping systemd received from the job (0: none yet)."""
+    out = subprocess.run(["systemctl", "show", unit, "-p", "WatchdogTimestampMonotonic", "--value"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return int(out or 0) / 1e6
+
+
 def heartbeat(run_dir):
     try:
         with open(os.path.join(run_dir, "heartbeat.json")) as handle:
@@ -102,14 +109,24 @@ def main(action, unit, run_dir, log, crash_pth=None):
         signal_all(unit, "SIGKILL")
         result = recover(unit, run_dir, log, before, t0, 120)
     elif action == "hang":
+        # frozen right after a ping, so that the watchdog's whole interval runs from the freeze whatever a
+        # step takes on this machine (a slow step would otherwise leave less than the interval to wait)
+        ping = last_ping(unit)
+        wait(lambda: last_ping(unit) > ping, 60, "a watchdog ping")
         before = state(unit, run_dir, log)
         t0 = time.monotonic()
         signal_all(unit, "SIGSTOP")  # every process of the job: nothing pings
+        since_ping = t0 - last_ping(unit)  # the same clock as systemd's (CLOCK_MONOTONIC)
         result = recover(unit, run_dir, log, before, t0, 120)
+        result["since_ping_s"] = round(since_ping, 2)
+        result["killed_after_ping_s"] = round(since_ping + result["detected_s"], 1)
     elif action == "crashloop":
         # a crash at every start of the unit: a .pth file of the venv (run by `site` at interpreter start-up)
         # exits 1 before the trainer runs. Only under the unit (its environment names the watchdog; a
         # playbook's own `dflash train --check` does not), and in no file that a deploy manages.
+        # from a fresh start-rate window, as for a job that ran long before it began to crash: the restarts of
+        # (a) and (b), a minute ago, would otherwise still count, or the window would end inside the loop
+        subprocess.run(["systemctl", "reset-failed", unit], check=True)
         with open(crash_pth, "w") as handle:
             handle.write("import os; (print('injected crash at start-up', flush=True), os._exit(1)) "
                          "if os.environ.get('DFLASH_WATCHDOG_SEC') else None\n")
