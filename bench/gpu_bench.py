@@ -361,9 +361,13 @@ def sec_drafter(args):
     initial = {k: v.clone() for k, v in drafter.state_dict().items()}
     wanted = [v for v in variants if v[0] in args.drafter_variants.split(",")]
 
-    def prepare(compile_mode):
-        """A drafter at the initial weights, compiled as asked, and its forward."""
-        model = copy.deepcopy(drafter) if compile_mode == "layers" else drafter
+    def prepare(compile_mode, fresh=False):
+        """A drafter at the initial weights, compiled as asked, and its forward. `fresh`: a copy whose
+        parameters no earlier step touched. A graph capture needs it: autograd keeps a parameter's gradient
+        accumulator alive while any earlier step's graph is (a `loss` still held), with the stream that step
+        ran on; a backward captured on a side stream then waits on the legacy default stream and the capture
+        fails with cudaErrorStreamCaptureImplicit (pytorch/pytorch#164302)."""
+        model = copy.deepcopy(drafter) if compile_mode == "layers" or fresh else drafter
         model.load_state_dict(initial)
         if compile_mode == "layers":
             for layer in model.layers:
@@ -421,11 +425,12 @@ def sec_drafter(args):
         grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
         out["variants"][name] = {"loss_at_init": float(loss.detach()), "first_step_s": first}
         print(f"  {name}: loss {float(loss):.6f}, first step (compilation included) {first:.1f}s", flush=True)
-        del model, fwd
+        del model, fwd, loss
     for name, kind, compile_mode, impl in wanted if args.drafter_timing else []:
         try:
-            model, fwd = prepare(compile_mode)
             graph = name.endswith("+graph")
+            loss = None  # no earlier step's autograd graph stays alive (see `prepare`)
+            model, fwd = prepare(compile_mode, fresh=graph)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda", capturable=graph)
             step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"),
                            tiles=name.endswith("+tiles") or name.endswith("+tiles+graph"), graph=graph)
