@@ -366,7 +366,8 @@ def sec_drafter(args):
         parameters no earlier step touched. A graph capture needs it: autograd keeps a parameter's gradient
         accumulator alive while any earlier step's graph is (a `loss` still held), with the stream that step
         ran on; a backward captured on a side stream then waits on the legacy default stream and the capture
-        fails with cudaErrorStreamCaptureImplicit (pytorch/pytorch#164302)."""
+        fails with cudaErrorStreamCaptureImplicit (pytorch/pytorch#164302). A copy's parameters have no
+        accumulator yet, whatever earlier losses are still held."""
         model = copy.deepcopy(drafter) if compile_mode == "layers" or fresh else drafter
         model.load_state_dict(initial)
         if compile_mode == "layers":
@@ -425,11 +426,10 @@ def sec_drafter(args):
         grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
         out["variants"][name] = {"loss_at_init": float(loss.detach()), "first_step_s": first}
         print(f"  {name}: loss {float(loss):.6f}, first step (compilation included) {first:.1f}s", flush=True)
-        del model, fwd, loss
+        del model, fwd
     for name, kind, compile_mode, impl in wanted if args.drafter_timing else []:
         try:
             graph = name.endswith("+graph")
-            loss = None  # no earlier step's autograd graph stays alive (see `prepare`)
             model, fwd = prepare(compile_mode, fresh=graph)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda", capturable=graph)
             step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"),
