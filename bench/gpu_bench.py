@@ -359,7 +359,8 @@ def sec_drafter(args):
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
     initial = {k: v.clone() for k, v in drafter.state_dict().items()}
-    wanted = [v for v in variants if v[0] in args.drafter_variants.split(",")]
+    by_name = {v[0]: v for v in variants}  # in the order asked: a later variant may run on a hotter GPU
+    wanted = [by_name[n] for n in args.drafter_variants.split(",") if n in by_name]
 
     def prepare(compile_mode, fresh=False):
         """A drafter at the initial weights, compiled as asked, and its forward. `fresh`: a copy whose
