@@ -354,7 +354,13 @@ def sec_drafter(args):
                 ("flex+compile+fusedce+tiles", "flex", "forward", "fused"),
                 # "+graph": the whole step (forward, loss, backward, AdamW) captured once in a CUDA graph and
                 # replayed: no launch gaps and no host work per step (static shapes; capturable AdamW)
-                ("flex+compile+fusedce+tiles+graph", "flex", "forward", "fused")]
+                ("flex+compile+fusedce+tiles+graph", "flex", "forward", "fused"),
+                # "+fp8" / "+fp8row": the drafter's linear layers (attention, MLP, fc) in float8 through torchao's
+                # Float8Linear (dynamic tensorwise / rowwise scaling; bf16 master weights and everything else
+                # unchanged; the frozen LM head stays bf16)
+                ("flex+compile+fusedce+tiles+fp8", "flex", "forward", "fused"),
+                ("flex+compile+fusedce+tiles+fp8row", "flex", "forward", "fused"),
+                ("flex+compile+fusedce+tiles+fp8+graph", "flex", "forward", "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
@@ -362,15 +368,25 @@ def sec_drafter(args):
     by_name = {v[0]: v for v in variants}  # in the order asked: a later variant may run on a hotter GPU
     wanted = [by_name[n] for n in args.drafter_variants.split(",") if n in by_name]
 
-    def prepare(compile_mode, fresh=False):
+    def flags(name):
+        tokens = set(name.split("+"))
+        fp8 = "rowwise" if "fp8row" in tokens else "tensorwise" if "fp8" in tokens else None
+        return {"tiles": "tiles" in tokens, "graph": "graph" in tokens, "fp8": fp8,
+                "eager_ce": "eagerce" in tokens}
+
+    def prepare(compile_mode, fresh=False, fp8=None):
         """A drafter at the initial weights, compiled as asked, and its forward. `fresh`: a copy whose
         parameters no earlier step touched. A graph capture needs it: autograd keeps a parameter's gradient
         accumulator alive while any earlier step's graph is (a `loss` still held), with the stream that step
         ran on; a backward captured on a side stream then waits on the legacy default stream and the capture
         fails with cudaErrorStreamCaptureImplicit (pytorch/pytorch#164302). A copy's parameters have no
         accumulator yet, whatever earlier losses are still held."""
-        model = copy.deepcopy(drafter) if compile_mode == "layers" or fresh else drafter
+        model = copy.deepcopy(drafter) if compile_mode == "layers" or fresh or fp8 else drafter
         model.load_state_dict(initial)
+        if fp8:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8))
         if compile_mode == "layers":
             for layer in model.layers:
                 layer.compile()
@@ -418,10 +434,10 @@ def sec_drafter(args):
         return replay
 
     for name, kind, compile_mode, impl in wanted:  # gradients of every variant at the same weights first
-        model, fwd = prepare(compile_mode)
+        f = flags(name)
+        model, fwd = prepare(compile_mode, fp8=f["fp8"])
         t0 = time.perf_counter()
-        loss = step_fn(model, fwd, kind, impl, eager_ce=name.endswith("+eagerce"),
-                       tiles=name.endswith("+tiles") or name.endswith("+tiles+graph"))()
+        loss = step_fn(model, fwd, kind, impl, eager_ce=f["eager_ce"], tiles=f["tiles"])()
         sync()
         first = time.perf_counter() - t0
         grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
@@ -430,11 +446,15 @@ def sec_drafter(args):
         del model, fwd
     for name, kind, compile_mode, impl in wanted if args.drafter_timing else []:
         try:
-            graph = name.endswith("+graph")
-            model, fwd = prepare(compile_mode, fresh=graph)
+            f = flags(name)
+            graph = f["graph"]
+            model, fwd = prepare(compile_mode, fresh=graph, fp8=f["fp8"])
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda", capturable=graph)
-            step = step_fn(model, fwd, kind, impl, opt, eager_ce=name.endswith("+eagerce"),
-                           tiles=name.endswith("+tiles") or name.endswith("+tiles+graph"), graph=graph)
+            step = step_fn(model, fwd, kind, impl, opt, eager_ce=f["eager_ce"], tiles=f["tiles"], graph=graph)
+            if args.loss_trace and not graph:  # training steps from the initial weights: numerics compared
+                out["variants"][name]["loss_trace"] = [float(step().detach()) for _ in range(args.loss_trace)]
+                trace = " ".join(f"{x:.4f}" for x in out["variants"][name]["loss_trace"])
+                print(f"  {name}: losses {trace}", flush=True)
             if graph:
                 eager_step = step
                 step = graphed(step, model)
@@ -464,6 +484,11 @@ def sec_drafter(args):
             out["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             traceback.print_exc()
         torch.cuda.empty_cache() if dev.type == "cuda" else None
+    first_name = next(iter(grads), None)
+    for name, g in grads.items():  # the gradient at the initial weights against the first variant asked
+        if name != first_name:
+            out["variants"][name]["grad_rel_err_vs_first"] = float((g - grads[first_name]).norm()
+                                                                   / grads[first_name].norm())
     if "sdpa-dense" in grads:
         for name, g in grads.items():
             if name != "sdpa-dense":
@@ -672,6 +697,8 @@ def main() -> int:
     p.add_argument("--flex-options", default="", help="JSON kernel_options of the drafter's '+tiles' variant")
     p.add_argument("--profile", default="", help="drafter variants to profile by kernel category (CUDA)")
     p.add_argument("--no-drafter-timing", dest="drafter_timing", action="store_false")
+    p.add_argument("--loss-trace", type=int, default=0,
+                   help="drafter: record this many training steps' losses of each variant (graph variants: none)")
     args = p.parse_args()
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
