@@ -46,6 +46,7 @@ class DrafterConfig:
     loss_chunk_size: int = 4096  # rows of LM-head logits materialised at a time
     loss_impl: Literal["checkpoint", "fused"] = "fused"  # fused: row gradients in the forward, no recompute
     init_from: str | None = None  # a drafter directory (export layout) to start from
+    float8: bool = False  # linear layers in float8 (torchao Float8Linear; GPUs of compute capability 8.9+)
     intermediate_size: int | None = None  # default: the target's
     num_attention_heads: int | None = None  # default: the target's
     num_key_value_heads: int | None = None  # default: the target's

@@ -25,6 +25,7 @@ from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, colla
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
 from dflash.errors import BadInput
+from dflash.float8 import check_float8, convert_linears, float8_linears
 from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
@@ -236,6 +237,8 @@ class Trainer:
             self.ckpt.recover()  # temp dirs of a killed save, a lagging `latest` pointer
         layer_ids = layer_ids_of(c)
         self.device = self._device or pick_device(c.runtime.device)
+        if c.drafter.float8:  # before any model loads
+            check_float8(self.device)
         self.input_timer = InputTimer(self.device)
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
         self.observer.heartbeat(0, 0, "starting")
@@ -304,6 +307,11 @@ class Trainer:
             self.drafter = Drafter(arch)
             torch.random.set_rng_state(gen_state)
         self.drafter.to(self.device)
+        if c.drafter.float8:  # before compilation: the compiled forward fuses the float8 casts
+            kept = convert_linears(self.drafter)
+            log.info(f"drafter: {len(float8_linears(self.drafter))} linear layers in float8 (torchao, tensorwise)"
+                     + (f"; kept in their precision (dimensions not divisible by 16): {', '.join(kept)}"
+                        if kept else ""))
         self.gamma = c.drafter.gamma or default_gamma(c.drafter.block_size)
         self.attention_kind = resolve_kind(c.drafter.attention, self.device)
         plan = self.compile_plan

@@ -1,0 +1,89 @@
+"""drafter.float8: the drafter's linear layers through torchao's Float8Linear (torch's float8 matmul runs on
+the CPU too, so the whole path trains here; the speed needs float8 tensor cores: docs/PERFORMANCE.md)."""
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.errors import ConfigError
+from dflash.float8 import check_float8, float8_linears
+from dflash.models.drafter import Drafter
+from dflash.train import Trainer
+
+pytest.importorskip("torchao.float8")
+
+
+def _linears(model):
+    return sorted(name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_float8_trains_like_bf16_and_its_checkpoints_resume_and_export_without_it(tiny_config, tmp_path):
+    runs = {}
+    for fp8 in (False, True):
+        cfg = copy.deepcopy(tiny_config)
+        cfg.output_dir = str(tmp_path / f"fp8-{fp8}")
+        cfg.drafter.float8 = fp8
+        cfg.optim.max_steps = 6
+        trainer = Trainer(cfg).setup()
+        losses = [trainer.train_step()[1].loss for _ in range(6)]
+        runs[fp8] = (trainer, losses)
+    (plain, plain_losses), (fp8, fp8_losses) = runs[False], runs[True]
+    # every linear layer of the drafter (attention, MLP, the feature fusion) runs in float8, none in plain
+    assert sorted(float8_linears(fp8.drafter)) == _linears(fp8.drafter) and len(_linears(fp8.drafter)) == 2 * 7 + 1
+    assert float8_linears(plain.drafter) == []
+    # same parameters, same names: checkpoints and exports are interchangeable
+    assert fp8.drafter.state_dict().keys() == plain.drafter.state_dict().keys()
+    # same weights at step 0 (same seed), so the first loss differs only by float8 rounding; then it learns
+    assert fp8_losses[0] == pytest.approx(plain_losses[0], rel=0.01)
+    assert fp8_losses[0] != plain_losses[0]  # the float8 path did run
+    assert all(x == x for x in fp8_losses) and fp8_losses[-1] < fp8_losses[0]
+    assert fp8_losses[-1] == pytest.approx(plain_losses[-1], rel=0.03)
+
+    assert fp8.save_checkpoint() is not None
+    resumed_cfg = copy.deepcopy(fp8.config)
+    resumed_cfg.drafter.float8 = False  # a float8 run resumed without float8
+    resumed = Trainer(resumed_cfg).setup()
+    assert resumed.step == 6 and float8_linears(resumed.drafter) == []
+    for k, v in fp8.drafter.state_dict().items():
+        assert torch.equal(resumed.drafter.state_dict()[k], v), k
+
+    out = tmp_path / "export"
+    assert main(["export", fp8.config.output_dir, str(out)]) == 0
+    exported = Drafter.load(out)
+    assert float8_linears(exported) == [] and json.loads((out / "config.json").read_text())
+
+
+def test_float8_without_torchao_is_refused_before_anything_is_written(tiny_config, tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
+    cfg = copy.deepcopy(tiny_config)
+    cfg.output_dir = str(tmp_path / "no-torchao")
+    cfg.drafter.float8 = True
+    with pytest.raises(ConfigError, match=r"drafter\.float8 .*torchao.*pip install.*drafter\.float8: false"):
+        Trainer(cfg).setup()
+    assert not (tmp_path / "no-torchao" / "checkpoints").exists()
+
+
+def test_float8_is_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match=r"compute capability 8\.9.*cuda:1 is NVIDIA A100-SXM4-80GB, 8\.0.*"
+                                          r"drafter\.float8: false"):
+        check_float8(torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    check_float8(torch.device("cuda", 1))  # Hopper: accepted
+
+
+def test_float8_leaves_layers_whose_dimensions_float8_cannot_take(monkeypatch):
+    from dflash.float8 import convert_linears
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 10, bias=False))
+    kept = convert_linears(model)
+    assert kept == ["1"] and float8_linears(model) == ["0"]
+    y = model(torch.randn(4, 64))
+    assert y.shape == (4, 10) and torch.isfinite(y).all()
