@@ -360,7 +360,10 @@ def sec_drafter(args):
                 # unchanged; the frozen LM head stays bf16)
                 ("flex+compile+fusedce+tiles+fp8", "flex", "forward", "fused"),
                 ("flex+compile+fusedce+tiles+fp8row", "flex", "forward", "fused"),
-                ("flex+compile+fusedce+tiles+fp8+graph", "flex", "forward", "fused")]
+                ("flex+compile+fusedce+tiles+fp8+graph", "flex", "forward", "fused"),
+                # "+fp8skip": float8 except the layers named by --fp8-skip (name suffixes)
+                ("flex+compile+fusedce+tiles+fp8skip", "flex", "forward", "fused"),
+                ("flex+compile+fusedce+tiles+fp8skip+graph", "flex", "forward", "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
@@ -370,11 +373,12 @@ def sec_drafter(args):
 
     def flags(name):
         tokens = set(name.split("+"))
-        fp8 = "rowwise" if "fp8row" in tokens else "tensorwise" if "fp8" in tokens else None
-        return {"tiles": "tiles" in tokens, "graph": "graph" in tokens, "fp8": fp8,
+        fp8 = ("rowwise" if "fp8row" in tokens else "tensorwise" if tokens & {"fp8", "fp8skip"} else None)
+        skip = tuple(x for x in args.fp8_skip.split(",") if x) if "fp8skip" in tokens else ()
+        return {"tiles": "tiles" in tokens, "graph": "graph" in tokens, "fp8": fp8, "fp8_skip": skip,
                 "eager_ce": "eagerce" in tokens}
 
-    def prepare(compile_mode, fresh=False, fp8=None):
+    def prepare(compile_mode, fresh=False, fp8=None, fp8_skip=()):
         """A drafter at the initial weights, compiled as asked, and its forward. `fresh`: a copy whose
         parameters no earlier step touched. A graph capture needs it: autograd keeps a parameter's gradient
         accumulator alive while any earlier step's graph is (a `loss` still held), with the stream that step
@@ -386,7 +390,8 @@ def sec_drafter(args):
         if fp8:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8))
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8),
+                                       module_filter_fn=lambda m, fqn: not fqn.endswith(fp8_skip or ("\0",)))
         if compile_mode == "layers":
             for layer in model.layers:
                 layer.compile()
@@ -435,7 +440,7 @@ def sec_drafter(args):
 
     for name, kind, compile_mode, impl in wanted:  # gradients of every variant at the same weights first
         f = flags(name)
-        model, fwd = prepare(compile_mode, fp8=f["fp8"])
+        model, fwd = prepare(compile_mode, fp8=f["fp8"], fp8_skip=f["fp8_skip"])
         t0 = time.perf_counter()
         loss = step_fn(model, fwd, kind, impl, eager_ce=f["eager_ce"], tiles=f["tiles"])()
         sync()
@@ -448,7 +453,7 @@ def sec_drafter(args):
         try:
             f = flags(name)
             graph = f["graph"]
-            model, fwd = prepare(compile_mode, fresh=graph, fp8=f["fp8"])
+            model, fwd = prepare(compile_mode, fresh=graph, fp8=f["fp8"], fp8_skip=f["fp8_skip"])
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda", capturable=graph)
             step = step_fn(model, fwd, kind, impl, opt, eager_ce=f["eager_ce"], tiles=f["tiles"], graph=graph)
             if args.loss_trace and not graph:  # training steps from the initial weights: numerics compared
@@ -697,6 +702,8 @@ def main() -> int:
     p.add_argument("--flex-options", default="", help="JSON kernel_options of the drafter's '+tiles' variant")
     p.add_argument("--profile", default="", help="drafter variants to profile by kernel category (CUDA)")
     p.add_argument("--no-drafter-timing", dest="drafter_timing", action="store_false")
+    p.add_argument("--fp8-skip", default="k_proj,v_proj,fc",
+                   help="the '+fp8skip' variants keep these layers (name suffixes) in bf16")
     p.add_argument("--loss-trace", type=int, default=0,
                    help="drafter: record this many training steps' losses of each variant (graph variants: none)")
     args = p.parse_args()
