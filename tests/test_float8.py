@@ -87,3 +87,19 @@ def test_float8_leaves_layers_whose_dimensions_float8_cannot_take(monkeypatch):
     assert kept == ["1"] and float8_linears(model) == ["0"]
     y = model(torch.randn(4, 64))
     assert y.shape == (4, 10) and torch.isfinite(y).all()
+
+
+def test_a_float8_run_ends_with_a_lossless_speculative_decoding_eval(tiny_config, tmp_path):
+    """The whole run: training, then the final eval's real speculative decoding with the float8 drafter,
+    whose output must equal the target's own greedy decoding (the target verifies every token)."""
+    cfg = copy.deepcopy(tiny_config)
+    cfg.output_dir = str(tmp_path / "fp8-run")
+    cfg.drafter.float8 = True
+    cfg.optim.max_steps = 3
+    cfg.eval.speculative_prompts = 4
+    cfg.eval.max_new_tokens = 16
+    result = Trainer(cfg).setup().run()
+    assert result["step"] == 3 and result["eval_acceptance_length"] >= 1.0
+    evals = [r for x in (tmp_path / "fp8-run" / "metrics.jsonl").read_text().splitlines()
+             if (r := json.loads(x)).get("kind") == "eval"]
+    assert evals and evals[-1]["lossless"] is True
