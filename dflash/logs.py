@@ -41,6 +41,12 @@ class _Stdout(logging.Handler):
 
 _FILTER = _RankFilter()
 
+# Loggers of optional libraries that speak at import time of things no dflash path uses. transformers imports
+# torchao (drafter.float8) whenever it is installed, and torchao then reports C++ kernels built for another
+# torch and a missing Triton; torch warns about torchao's pytree registrations. Their errors still show: a
+# run's stderr keeps to dflash's own warnings and its one-line error.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
 
 def _install() -> logging.Logger:
     logger = logging.getLogger(_ROOT)
@@ -51,6 +57,8 @@ def _install() -> logging.Logger:
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # the CLI's root handler would print every line twice
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     return logger
 
 

@@ -103,3 +103,20 @@ def test_a_float8_run_ends_with_a_lossless_speculative_decoding_eval(tiny_config
     evals = [r for x in (tmp_path / "fp8-run" / "metrics.jsonl").read_text().splitlines()
              if (r := json.loads(x)).get("kind") == "eval"]
     assert evals and evals[-1]["lossless"] is True
+
+
+def test_a_float8_run_from_the_cli_keeps_stderr_empty(write_config, tiny_dict, tmp_path):
+    """torchao, once installed, is imported by transformers in every run and speaks at import (kernels built
+    for another torch, no Triton); none of that reaches a run's stderr, which holds only a failure's line."""
+    import subprocess
+
+    tiny_dict.update(output_dir=str(tmp_path / "cli"))
+    tiny_dict["drafter"]["float8"] = True
+    tiny_dict["optim"]["max_steps"] = 2
+    tiny_dict["data"]["synthetic"]["num_samples"] = 60
+    tiny_dict["eval"]["speculative_prompts"] = 0
+    proc = subprocess.run([sys.executable, "-m", "dflash", "train", str(write_config(tiny_dict))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert "linear layers in float8" in proc.stdout and "done: step 2" in proc.stdout
