@@ -387,11 +387,10 @@ def sec_drafter(args):
         accumulator yet, whatever earlier losses are still held."""
         model = copy.deepcopy(drafter) if compile_mode == "layers" or fresh or fp8 else drafter
         model.load_state_dict(initial)
-        if fp8:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        if fp8:  # dflash.float8, as drafter.float8 converts ("tensorwise", no skip) or a variant of it
+            from dflash.float8 import convert_linears
 
-            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8),
-                                       module_filter_fn=lambda m, fqn: not fqn.endswith(fp8_skip or ("\0",)))
+            convert_linears(model, fp8, fp8_skip)
         if compile_mode == "layers":
             for layer in model.layers:
                 layer.compile()

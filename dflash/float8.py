@@ -46,20 +46,19 @@ def check_float8(device: torch.device) -> None:
                     "(meant for tests; the speed-up needs float8 tensor cores)")
 
 
-def _convertible(module: nn.Module, fqn: str) -> bool:
-    # float8 matmuls need both dimensions divisible by 16
-    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-
-def convert_linears(model: nn.Module) -> list[str]:
-    """Swap `model`'s eligible `nn.Linear` layers for `Float8Linear` in place (tensorwise dynamic scaling);
-    returns the names of the layers left in their own precision (dimensions not divisible by 16)."""
+def convert_linears(model: nn.Module, recipe: str = "tensorwise", skip: tuple[str, ...] = ()) -> list[str]:
+    """Swap `model`'s eligible `nn.Linear` layers for `Float8Linear` in place (dynamic scaling by `recipe`,
+    torchao's name: "tensorwise", what `drafter.float8` runs, or "rowwise"); returns the names of the layers
+    left in their own precision: dimensions not divisible by 16, or a name ending with one of `skip`."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    kept = sorted(name for name in linears if not _convertible(model.get_submodule(name), name))
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
-                               module_filter_fn=_convertible)
+    def convertible(module: nn.Module, fqn: str) -> bool:  # float8 matmuls need dimensions divisible by 16
+        return (isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+                and not (skip and fqn.endswith(skip)))
+
+    kept = sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear) and not convertible(m, name))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=convertible)
     return kept
 
 

@@ -120,3 +120,10 @@ def test_a_float8_run_from_the_cli_keeps_stderr_empty(write_config, tiny_dict, t
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "linear layers in float8" in proc.stdout and "done: step 2" in proc.stdout
+
+
+def test_float8_conversion_can_keep_named_layers():
+    from dflash.float8 import convert_linears
+
+    model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(64, 64), "fc": torch.nn.Linear(64, 64)})
+    assert convert_linears(model, skip=("fc",)) == ["fc"] and float8_linears(model) == ["q_proj"]
