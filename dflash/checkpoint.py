@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +30,8 @@ log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
+# Only these directories are checkpoints (resumed from, pruned): anything else in checkpoints/ is left alone.
+STEP_NAME = re.compile(r"step-[0-9]{8}")
 TMP_PREFIX = ".tmp-"  # .tmp-step-NNNNNNNN-PID: a save in progress (or killed)
 OLD_PREFIX = ".old-"  # .old-step-NNNNNNNN-PID: the previous copy of a step being re-saved
 LATEST_TMP_PREFIX = ".latest.tmp-"
@@ -81,6 +84,7 @@ class CheckpointManager:
         self.model = model
         self.states = dict(states or {})
         self.train_state = train_state
+        self._ignored: set[str] = set()  # stray names already warned about (one warning each)
 
     def save_state(self, step: int) -> Path:
         """A checkpoint of step `step` holding the model and every state (the order of restore is theirs)."""
@@ -187,7 +191,7 @@ class CheckpointManager:
                 continue
             step_name = name.removeprefix(TMP_PREFIX).removeprefix(OLD_PREFIX).rsplit("-", 1)[0]
             final = self.dir / step_name
-            if (entry.is_dir() and step_name.startswith(PREFIX) and not final.exists()
+            if (entry.is_dir() and STEP_NAME.fullmatch(step_name) and not final.exists()
                     and self.verify(entry) is None):
                 os.rename(entry, final)
                 done.append(f"restored {final.name} from {name}")
@@ -208,9 +212,22 @@ class CheckpointManager:
         return done
 
     def list(self) -> list[Path]:
+        """The checkpoints, oldest first: directories named exactly step-NNNNNNNN (8 digits).
+
+        Anything else (step-latest, step-backup, a copy made by hand) is never resumed from and never pruned;
+        it gets one warning naming it. The `latest` pointer and the temp names of a save are not warned about."""
         if not self.dir.is_dir():
             return []
-        return sorted(p for p in self.dir.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+        found = []
+        for p in self.dir.iterdir():
+            if STEP_NAME.fullmatch(p.name) and p.is_dir():
+                found.append(p)
+            elif p.name not in self._ignored and not (p.name == "latest" or p.name.startswith(
+                    (TMP_PREFIX, OLD_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX))):
+                self._ignored.add(p.name)
+                log.warning("checkpoints %s: %s is not a checkpoint (only step-NNNNNNNN directories are); "
+                            "it is ignored: never resumed from, never pruned", self.dir, p.name)
+        return sorted(found)
 
     @staticmethod
     def verify(path: Path) -> str | None:

@@ -80,3 +80,36 @@ def test_a_checkpoint_without_a_part_is_refused_naming_it(tmp_path):
     path = CheckpointManager(tmp_path, states={"a": Counter(1)}).save_state(1)
     with pytest.raises(BadInput, match="holds no sampler state"):
         CheckpointManager(tmp_path, states={"a": Counter(), "sampler": Counter()}).load_state(path)
+
+
+def _complete_copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+
+
+@pytest.mark.parametrize("stray", ["step-latest", "step-backup"])
+def test_only_step_directories_with_eight_digits_are_checkpoints(tmp_path, caplog, stray):
+    m = CheckpointManager(tmp_path, keep_last=2)
+    m.save(1, write_payload("1"))
+    # A complete, intact-looking copy under another name: never resumed from, never pruned.
+    _complete_copy(tmp_path / "step-00000001", tmp_path / stray)
+    assert CheckpointManager.verify(tmp_path / stray) is None
+    with caplog.at_level(logging.WARNING):
+        assert m.latest_valid().name == "step-00000001"
+        for step in (2, 3, 4):
+            m.save(step, write_payload(str(step)))
+        assert [p.name for p in m.list()] == ["step-00000003", "step-00000004"]
+        assert m.latest_valid().name == "step-00000004"
+        m.recover()
+    assert (tmp_path / stray).is_dir() and CheckpointManager.verify(tmp_path / stray) is None
+    warnings = [r.getMessage() for r in caplog.records if stray in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "not a checkpoint" in warnings[0] and "step-NNNNNNNN" in warnings[0]
+
+
+def test_a_stray_directory_alone_is_no_checkpoint_to_resume(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=2)
+    m.save(1, write_payload("1"))
+    (tmp_path / "step-00000001").rename(tmp_path / "step-1")  # wrong width: not a checkpoint either
+    assert m.list() == [] and m.latest_valid() is None
