@@ -214,16 +214,17 @@ class CheckpointManager:
     def list(self) -> list[Path]:
         """The checkpoints, oldest first: directories named exactly step-NNNNNNNN (8 digits).
 
-        Anything else (step-latest, step-backup, a copy made by hand) is never resumed from and never pruned;
-        it gets one warning naming it. The `latest` pointer and the temp names of a save are not warned about."""
+        Anything else is never resumed from and never pruned; what looks like a checkpoint but is not one
+        (step-latest, step-backup, step-1, a copy made by hand) gets one warning naming it. Other entries (the
+        `latest` pointer, a save's temp names, a run directory's files when export searches one) are not warned
+        about."""
         if not self.dir.is_dir():
             return []
         found = []
         for p in self.dir.iterdir():
             if STEP_NAME.fullmatch(p.name) and p.is_dir():
                 found.append(p)
-            elif p.name not in self._ignored and not (p.name == "latest" or p.name.startswith(
-                    (TMP_PREFIX, OLD_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX))):
+            elif p.name.startswith("step") and p.name not in self._ignored:
                 self._ignored.add(p.name)
                 log.warning("checkpoints %s: %s is not a checkpoint (only step-NNNNNNNN directories are); "
                             "it is ignored: never resumed from, never pruned", self.dir, p.name)
