@@ -27,9 +27,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins
 
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=25
 
-test: host-setup lint pytest molecule
+# ruff, then pytest beside the molecule scenarios; the phase times at the end (scripts/test.sh).
+test: host-setup
+	scripts/test.sh
 
 # --- the local LXC host: make train / status / stop, molecule -----------------
 # Ansible runs from the repository's venv with the repository's ansible.cfg.
@@ -48,30 +50,75 @@ host-setup: $(STAMP)
 # Extra ansible-playbook arguments, e.g. make train TRAIN_ARGS="-e dflash_job_state=restarted"
 TRAIN_ARGS ?=
 
-train: host-setup
-	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/train.yml $(TRAIN_ARGS)
-	@echo
-	@echo "Training runs in the LXC container $(LOCAL_CONTAINER), as the systemd unit $(LOCAL_JOB).service there."
-	@echo "  log:         /var/log/dflash/$(LOCAL_JOB).log  (host path: /var/lib/lxc/$(LOCAL_CONTAINER)/rootfs/var/log/dflash/$(LOCAL_JOB).log)"
-	@echo "  heartbeat:   /var/lib/dflash/runs/$(LOCAL_JOB)/heartbeat.json"
-	@echo "  checkpoints: /var/lib/dflash/runs/$(LOCAL_JOB)/checkpoints/"
-	@echo "  follow:      lxc-attach -n $(LOCAL_CONTAINER) -- tail -F /var/log/dflash/$(LOCAL_JOB).log"
-	@echo "  status:      make status   (exit 0 training/starting/stopped/finished, 1 hung/crashed/failed-to-start)"
-	@echo "  restart:     make train TRAIN_ARGS=\"-e dflash_job_state=restarted\""
-	@echo "  stop:        make stop"
+# `make train` and `make status` end with their tool's own exit status: 0, 1 or 2 (any other status
+# becomes 2, named in the message). GNU make itself exits only 0 or 2 (1 under -q), so when one of
+# them is the only goal it runs its tool while this file is read, then ends with -q (exit 1) or an
+# error (exit 2). `make train` streams the playbook's output (on stderr); `make status` prints the
+# report on stdout when the tool is done.
+TRAIN_CMD = $(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/train.yml $(TRAIN_ARGS)
+STATUS_CMD = $(ANSIBLE_ENV) $(VENV)/bin/dflash ops status -i $(LOCAL_INVENTORY)
 
-# Exit status for scripts: 0 healthy or stopped on purpose, 1 unhealthy, 2 bad input.
+define TRAIN_HINTS
+
+Training runs in the LXC container $(LOCAL_CONTAINER), as the systemd unit $(LOCAL_JOB).service there.
+  log:         /var/log/dflash/$(LOCAL_JOB).log  (host path: /var/lib/lxc/$(LOCAL_CONTAINER)/rootfs/var/log/dflash/$(LOCAL_JOB).log)
+  heartbeat:   /var/lib/dflash/runs/$(LOCAL_JOB)/heartbeat.json
+  checkpoints: /var/lib/dflash/runs/$(LOCAL_JOB)/checkpoints/
+  follow:      lxc-attach -n $(LOCAL_CONTAINER) -- tail -F /var/log/dflash/$(LOCAL_JOB).log
+  status:      make status   (exit 0 training/starting/stopped/finished, 1 hung/crashed/failed-to-start/lost, 2 bad input)
+  restart:     make train TRAIN_ARGS="-e dflash_job_state=restarted"
+  stop:        make stop
+endef
+
+# $(call exit_with,STATUS,WHAT): end this make with STATUS (0, 1, or 2 for anything else).
+define exit_with
+$(if $(filter 0,$(1)),,$(if $(filter 1,$(1)),$(eval MAKEFLAGS += -q),$(error $(2) exited $(1))))
+endef
+
+ifeq ($(MAKECMDGOALS),train)
+_prep := $(shell $(MAKE) --no-print-directory host-setup >&2; echo $$?)
+$(if $(filter 0,$(_prep)),,$(error make host-setup failed (exit $(_prep)): see above))
+_rc := $(shell $(TRAIN_CMD) >&2; echo $$?)
+$(if $(filter 0,$(_rc)),$(info $(TRAIN_HINTS)))
+$(call exit_with,$(_rc),ansible-playbook playbooks/train.yml)
+endif
+
+ifeq ($(MAKECMDGOALS),status)
+_prep := $(shell $(MAKE) --no-print-directory -s venv >&2; echo $$?)
+$(if $(filter 0,$(_prep)),,$(error make venv failed (exit $(_prep)): see above))
+_out := $(shell mktemp)
+_rc := $(shell $(STATUS_CMD) > $(_out) 2>&1; echo $$?)
+$(info $(file < $(_out)))
+_rm := $(shell rm -f $(_out))
+$(call exit_with,$(_rc),dflash ops status)
+endif
+
+# Both goals did their work above when given alone; with other goals they run here (make's own exit).
+export TRAIN_HINTS
+ifeq ($(MAKECMDGOALS),train)
+train:
+	@:
+else
+train: host-setup
+	$(TRAIN_CMD)
+	@echo "$$TRAIN_HINTS"
+endif
+
+ifeq ($(MAKECMDGOALS),status)
+status:
+	@:
+else
 status: $(STAMP)
-	$(ANSIBLE_ENV) $(VENV)/bin/dflash ops status -i $(LOCAL_INVENTORY)
+	$(STATUS_CMD)
+endif
 
 stop: $(STAMP)
 	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/stop.yml
 
-# Every molecule scenario (real LXC containers; see docs/operations.md).
-# The whole log is kept in .molecule.log; on a failure its failed tasks are printed again at the end.
+# Every molecule scenario (real LXC containers; see docs/testing.md), two side by side; each log in
+# .test-logs/molecule-NAME.log, a failed scenario's failed tasks printed again at the end.
 molecule: host-setup
-	set -o pipefail; $(ANSIBLE_ENV) molecule test --all 2>&1 | tee .molecule.log \
-		|| { scripts/show-failures.sh .molecule.log; exit 1; }
+	scripts/test.sh molecule
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .molecule.log
+	rm -rf $(VENV) .pytest_cache .ruff_cache .molecule.log .test-logs

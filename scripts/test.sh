@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The body of `make test`: ruff, then pytest beside the molecule scenarios (real LXC containers),
+# each phase logged to .test-logs/PHASE.log. At the end: the phase times, the machine's load while
+# they ran, and, for a failed phase, its failed tasks (molecule) or its last lines (the rest).
+#
+# Settings (environment):
+#   DFLASH_TEST_SCENARIOS  molecule scenarios, longest first (default: every scenario, see below)
+#   DFLASH_TEST_PARALLEL   molecule scenarios run side by side (default 2)
+#   DFLASH_TEST_PYTEST     1: pytest beside molecule (default); 0: before it
+#   PYTEST_ARGS            extra pytest arguments (e.g. -k ..., -m "not slow")
+#
+#   scripts/test.sh                 everything
+#   scripts/test.sh molecule        the molecule scenarios only (same pool, same report)
+#   scripts/test.sh scenario NAME   one molecule scenario (used by the pool; logs to .test-logs/molecule-NAME.log)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+LOGS=.test-logs
+export PATH="$PWD/$VENV/bin:$PATH" ANSIBLE_CONFIG="$PWD/ansible.cfg"
+
+scenario() {
+  local name=$1
+  molecule test -s "$name" > "$LOGS/molecule-$name.log" 2>&1
+}
+
+if [[ "${1:-}" == scenario ]]; then
+  scenario "$2"
+  exit
+fi
+ONLY=${1:-all}
+
+# Longest first, so that the pool ends together.
+SCENARIOS=${DFLASH_TEST_SCENARIOS:-faults default multinode proxmox}
+PARALLEL=${DFLASH_TEST_PARALLEL:-2}
+BESIDE=${DFLASH_TEST_PYTEST:-1}
+
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+start=$(date +%s)
+
+# Record a phase: NAME START END RC, one line each.
+phase() {
+  local name=$1 begin rc
+  shift
+  begin=$(date +%s)
+  "$@"
+  rc=$?
+  echo "$name $begin $(date +%s) $rc" >> "$LOGS/times"
+  return $rc
+}
+
+# The load average every 15 s while the tests run.
+( while sleep 15; do cut -d' ' -f1 /proc/loadavg >> "$LOGS/load"; done ) &
+sampler=$!
+trap 'kill $sampler 2>/dev/null' EXIT
+
+[[ "$ONLY" == all ]] && phase lint ruff check dflash tests bench library module_utils connection_plugins > "$LOGS/lint.log" 2>&1
+[[ -f "$LOGS/lint.log" ]] && cat "$LOGS/lint.log"
+
+# -n 2: one worker per core; tests that spawn several processes are grouped (xdist_group) per worker.
+run_pytest() { phase pytest pytest -q -n 2 --dist loadgroup --durations=25 -p no:cacheprovider ${PYTEST_ARGS:-} > "$LOGS/pytest.log" 2>&1; }
+run_molecule() {
+  # One `molecule test` per scenario, PARALLEL at a time; each scenario's phase line is written by the pool.
+  printf '%s\n' $SCENARIOS | xargs -P "$PARALLEL" -I{} bash -c \
+    'b=$(date +%s); "$0" scenario {}; r=$?; echo "molecule-{} $b $(date +%s) $r" >> '"$LOGS"'/times; exit 0' "$0"
+}
+
+echo "test: pytest and the molecule scenarios ($SCENARIOS, $PARALLEL side by side) run now; logs in $LOGS/"
+if [[ "$ONLY" == molecule ]]; then
+  run_molecule
+elif [[ "$BESIDE" == 1 ]]; then
+  run_pytest &
+  pytest_pid=$!
+  run_molecule
+  wait "$pytest_pid"
+else
+  run_pytest
+  run_molecule
+fi
+end=$(date +%s)
+kill $sampler 2>/dev/null
+
+echo
+[[ -f "$LOGS/pytest.log" ]] && tail -n 40 "$LOGS/pytest.log"
+failed=0
+while read -r name begin finish rc; do
+  if [[ "$rc" != 0 ]]; then
+    failed=1
+    echo
+    echo "=== $name FAILED (exit $rc): $LOGS/$name.log ==="
+    if [[ "$name" == molecule-* ]]; then
+      grep -E '^(PLAY RECAP|.*: ok=[0-9]+ +changed=)' "$LOGS/$name.log" | tail -n 6
+      scripts/show-failures.sh "$LOGS/$name.log"
+    else
+      tail -n 60 "$LOGS/$name.log"
+    fi
+  fi
+done < "$LOGS/times"
+
+echo
+echo "=== make test: phase times ($(nproc) cores) ==="
+printf '%-22s %9s %9s %6s\n' phase "start (s)" "took (s)" exit
+sort -k2,2n "$LOGS/times" | while read -r name begin finish rc; do
+  printf '%-22s %9d %9d %6s\n' "$name" $((begin - start)) $((finish - begin)) "$rc"
+done
+printf '%-22s %9s %9d\n' total "" $((end - start))
+if [[ -s "$LOGS/load" ]]; then
+  awk '{ s += $1; if ($1 > m) m = $1 } END { printf "load average while testing: mean %.1f, max %.1f (%d samples, every 15 s)\n", s / NR, m, NR }' "$LOGS/load"
+fi
+exit $failed
