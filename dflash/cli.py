@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter from a YAML run config")
     t.add_argument("config", help="YAML run config (see configs/)")
     t.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optim.lr=3e-4")
-    t.add_argument("--check", action="store_true", help="validate the config and exit")
+    t.add_argument("--check", action="store_true",
+                   help="validate the config and the GPUs it asks for (in this environment) and exit")
     t.add_argument("--check-data", action="store_true",
                    help="with --check: also read every row of data.train_path / data.eval_path as training would")
 
@@ -68,12 +69,23 @@ def _cmd_train(args) -> int:
 
     config = load_config(args.config, args.overrides)
     if args.check:
+        _check_devices(config)
         checked = _check_data(config) if args.check_data else []
         print(f"config OK: {args.config}" + "".join(f"; data OK: {path} ({rows} rows)" for path, rows in checked))
         return EXIT_OK
     from dflash.launch import run_training
 
     return run_training(config, args.config, args.overrides)
+
+
+def _check_devices(config) -> None:
+    """The GPUs the run asks for exist here (runtime.device cuda, topology GPU ids, CUDA_VISIBLE_DEVICES): the
+    refusal the trainer would give at its start, given before a deploy touches the running job."""
+    if config.runtime.device == "cpu":
+        return  # nothing to look for (and no torch import)
+    from dflash.distributed.topology import check_devices, plan_ranks
+
+    check_devices(config, plan_ranks(config.topology))
 
 
 def _check_data(config) -> list[tuple[str, int]]:

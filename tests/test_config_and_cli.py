@@ -110,3 +110,82 @@ def test_tokens_outside_the_targets_vocabulary_are_refused_with_exit_2(write_con
     err = capsys.readouterr().err
     assert "dflash: error: token id" in err and "outside the target's embedding table (40)" in err
     assert not list((Path(out) / "checkpoints").glob("step-*"))
+
+
+# --- `train --check`: the GPUs the config asks for, refused before a deploy touches anything ----------------
+
+
+def _check(write_config, tiny_dict, tmp_path, *overrides):
+    tiny_dict["output_dir"] = str(tmp_path / "out")
+    return main(["train", str(write_config(tiny_dict)), *overrides, "--check"])
+
+
+def test_check_refuses_cuda_where_no_gpu_is_visible(write_config, tiny_dict, tmp_path):
+    """The trainer's own refusal at start (exit 2), given by --check already: a real process with every GPU hidden."""
+    tiny_dict["output_dir"] = str(tmp_path / "out")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "dflash", "train", str(write_config(tiny_dict)), "runtime.device=cuda",
+                        "--check"], capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""
+    assert r.stderr.startswith("dflash: error: runtime.device is 'cuda' but no CUDA GPU is visible "
+                               "(CUDA_VISIBLE_DEVICES=); set runtime.device=cpu"), r.stderr
+    assert r.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_refuses_cuda_without_cuda(write_config, tiny_dict, tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _check(write_config, tiny_dict, tmp_path, "runtime.device=cuda") == 2
+    err = capsys.readouterr().err
+    assert err == ("dflash: error: runtime.device is 'cuda' but no CUDA GPU is visible; set runtime.device=cpu (or "
+                   "auto), or run where CUDA_VISIBLE_DEVICES names GPUs of this machine\n")
+    # auto falls back to the CPU: nothing to refuse
+    assert _check(write_config, tiny_dict, tmp_path, "runtime.device=auto") == 0
+
+
+@pytest.mark.parametrize("overrides, visible_devices, message", [
+    (["topology.mode=disaggregated", "topology.target_gpus=[0]", "topology.drafter_gpus=[2]"], "4,5",
+     r"^dflash: error: topology.drafter_gpus \[2\] names GPU ids \[2\] but only ids 0..1 are visible "
+     r"\(CUDA_VISIBLE_DEVICES=4,5\) \(ids are positions in CUDA_VISIBLE_DEVICES\); fix topology.target_gpus / "
+     r"topology.drafter_gpus or expose more GPUs\n$"),
+    (["topology.mode=disaggregated", "topology.target_gpus=[3,1]", "topology.drafter_gpus=[0]"], None,
+     r"^dflash: error: topology.target_gpus \[3, 1\] names GPU ids \[3\] but only ids 0..1 are visible "),
+    (["topology.nproc=3"], "0,1",
+     r"^dflash: error: topology.nproc asks for 3 ranks \(one GPU each\) on this node but only 2 GPU\(s\) are "
+     r"visible \(CUDA_VISIBLE_DEVICES=0,1\); lower topology.nproc or expose more GPUs\n$"),
+    ([], "0,1,7",
+     r"^dflash: error: CUDA_VISIBLE_DEVICES=0,1,7 lists 3 GPUs but only 2 are visible: '7' \(position 2\) is no "
+     r"GPU of this machine .*; list only GPUs that nvidia-smi shows\n$"),
+])
+def test_check_refuses_gpu_ids_beyond_the_visible_count(write_config, tiny_dict, tmp_path, capsys, monkeypatch,
+                                                         overrides, visible_devices, message):
+    import re
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    if visible_devices is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible_devices)
+    tiny_dict["data"].pop("regenerate")  # a disaggregated run trains on data regenerated beforehand
+    assert _check(write_config, tiny_dict, tmp_path, "runtime.device=cuda", *overrides) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and re.search(message, captured.err), captured.err
+
+
+def test_check_accepts_the_gpus_that_exist(write_config, tiny_dict, tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    tiny_dict["data"].pop("regenerate")
+    assert _check(write_config, tiny_dict, tmp_path, "runtime.device=cuda", "topology.mode=disaggregated",
+                  "topology.target_gpus=[1]", "topology.drafter_gpus=[0]") == 0
+    assert capsys.readouterr().out.startswith("config OK")

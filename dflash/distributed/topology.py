@@ -104,23 +104,33 @@ def backend_for(config: RunConfig) -> str:
 
 
 def check_devices(config: RunConfig, plan: RankPlan) -> None:
-    """Before any model loads: the GPUs the topology names exist, one process per GPU (CUDA runs only)."""
+    """Before any model loads (and in `dflash train --check`): the GPUs the config asks for exist, one process
+    per GPU (CUDA runs only). Each refusal is one line naming the setting and the fix."""
     if not uses_cuda(config):
         return
-    if not torch.cuda.is_available():
-        raise BadInput("runtime.device is 'cuda' but no CUDA GPU is visible; check CUDA_VISIBLE_DEVICES or "
-                       "set runtime.device=cpu")
-    visible = torch.cuda.device_count()
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise BadInput(f"runtime.device is 'cuda' but no CUDA GPU is visible{where}; set runtime.device=cpu (or auto), "
+                       "or run where CUDA_VISIBLE_DEVICES names GPUs of this machine")
+    if plan.disaggregated:
+        top = config.topology
+        for key, ids in (("topology.target_gpus", top.target_gpus or []), ("topology.drafter_gpus", top.drafter_gpus or [])):
+            bad = sorted(g for g in ids if g >= visible)
+            if bad:
+                raise BadInput(f"{key} {list(ids)} names GPU ids {bad} but only ids 0..{visible - 1} are visible{where} "
+                               "(ids are positions in CUDA_VISIBLE_DEVICES); fix topology.target_gpus / "
+                               "topology.drafter_gpus or expose more GPUs")
     if plan.nproc_per_node > visible:
         key = "topology.nproc" if plan.mode == "colocated" else "topology.target_gpus + topology.drafter_gpus"
         raise BadInput(f"{key} asks for {plan.nproc_per_node} ranks (one GPU each) on this node but only {visible} "
                        f"GPU(s) are visible{where}; lower {key} or expose more GPUs")
-    bad = sorted(g for g in plan.local_gpus if g >= visible)
-    if bad:
-        raise BadInput(f"topology names GPU ids {bad} but only ids 0..{visible - 1} are visible{where}; fix "
-                       "topology.target_gpus / topology.drafter_gpus")
+    listed = [entry for entry in (shown or "").split(",") if entry.strip()]
+    if len(listed) > visible:
+        raise BadInput(f"CUDA_VISIBLE_DEVICES={shown} lists {len(listed)} GPUs but only {visible} are visible: "
+                       f"'{listed[visible].strip()}' (position {visible}) is no GPU of this machine and CUDA ignores "
+                       "it and every entry after it; list only GPUs that nvidia-smi shows")
 
 
 def check_target_fits(config: RunConfig, plan: RankPlan) -> None:
