@@ -15,21 +15,29 @@ description:
   - Otherwise the tree is copied into C(DEST/releases/.tmp-*), every file and directory is fsynced, the directory is
     renamed to C(DEST/releases/<first 16 hex digits of the manifest hash>), and C(DEST/current) is swapped
     atomically (a temp symlink renamed over the old one). A kept release with the same hash is reused (rollback).
-  - Old releases beyond O(keep) are deleted, never the current one.
+  - Old releases beyond O(keep) are deleted, never the current one nor the one C(current) pointed to before (the
+    rollback target of a deploy whose new code fails to start).
   - With O(publish=false) the release is built but C(DEST/current) is left alone (RV(pending) says a publish is
     due), so the new code can be validated first; a second call with O(publish=true) swaps C(current).
+  - With O(release) a kept release is made C(current) again (a rollback), after its files were checked against its
+    manifest (O(exclude) applies: the interpreter's C(__pycache__) does not count).
 version_added: "0.1.0"
 author: dflash authors
 options:
   src:
-    description: Directory on the managed host holding the tree to publish. Exactly one of O(src) and O(archive).
+    description: Directory on the managed host holding the tree to publish. Exactly one of O(src), O(archive) and
+      O(release).
     type: path
   archive:
     description: Tar archive on the managed host holding the tree to publish (as made by GNU tar, uncompressed or
       compressed). Only regular files and symlinks inside the tree are accepted.
     type: path
+  release:
+    description: A kept release to make C(current) again - its id (C(3f9c0a6b1d2e4f50)) or its directory under
+      C(DEST/releases) (as RV(previous_release) returns it).
+    type: str
   publish:
-    description: Swap C(DEST/current) to the release. V(false) only builds it.
+    description: Swap C(DEST/current) to the release. V(false) only builds it (not with O(release)).
     type: bool
     default: true
   dest:
@@ -149,7 +157,7 @@ import os
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.dflash_sync import SyncError, sync
+from ansible.module_utils.dflash_sync import SyncError, publish_release, sync
 
 
 def main():
@@ -157,16 +165,32 @@ def main():
         argument_spec={
             "src": {"type": "path"},
             "archive": {"type": "path"},
+            "release": {"type": "str"},
             "publish": {"type": "bool", "default": True},
             "dest": {"type": "path", "required": True},
             "exclude": {"type": "list", "elements": "str", "default": ["__pycache__", "*.pyc", ".git"]},
             "keep": {"type": "int", "default": 3},
         },
-        mutually_exclusive=[("src", "archive")],
-        required_one_of=[("src", "archive")],
+        mutually_exclusive=[("src", "archive", "release")],
+        required_one_of=[("src", "archive", "release")],
         supports_check_mode=True,
     )
     p = module.params
+    if p["release"] is not None:
+        if not p["publish"]:
+            module.fail_json(msg="release makes a kept release current: publish=false has no meaning with it")
+        try:
+            result = publish_release(p["dest"], p["release"], exclude=p["exclude"], keep=p["keep"],
+                                     check_mode=module.check_mode)
+        except SyncError as exc:
+            module.fail_json(msg=str(exc))
+        except OSError as exc:
+            module.fail_json(msg=f"publishing release {p['release']} in {p['dest']} failed: {exc}",
+                             exception=traceback.format_exc())
+        diff = result.pop("diff")
+        if module._diff and result["changed"]:
+            result["diff"] = diff
+        module.exit_json(**result)
     source = p["src"] or p["archive"]
     if module.check_mode and not os.path.exists(source):
         # A first run in check mode: the copy into src was only simulated.

@@ -9,7 +9,8 @@ symlink-then-rename so a reader always sees a whole release.
 
 The source is a directory or a tar archive (read member by member: no staging directory
 that two deploys could share). ``publish=False`` builds the release without swapping
-``current``, so the new code can be validated before anything uses it.
+``current``, so the new code can be validated before anything uses it; ``publish_release`` makes a kept
+release current again (a rollback), after checking its files against its manifest.
 """
 
 from __future__ import annotations
@@ -288,6 +289,64 @@ def sync(src, dest, exclude=(), keep=3, check_mode=False, archive=None, publish=
     if not publish:
         return result
     swap_symlink(os.path.join(dest, "current"), os.path.join("releases", release_id))
-    result["pruned"] = prune_releases(releases_dir, keep, protect={release_id})
+    # The release current pointed to stays too: a deploy whose new code fails to start goes back to it.
+    protect = {release_id} | ({os.path.basename(current_dir)} if current_dir else set())
+    result["pruned"] = prune_releases(releases_dir, keep, protect=protect)
+    return result
+
+
+def publish_release(dest, release, exclude=(), keep=3, check_mode=False):
+    """Make ``DEST/current`` the kept release ``release`` (its id or its path under ``DEST/releases``) again: a
+    rollback. Its files must still match its manifest (files matching ``exclude``, such as the interpreter's
+    ``__pycache__``, do not count). Returns the module result."""
+    if keep < 1:
+        raise SyncError(f"keep={keep}: at least the current release must be kept (keep >= 1)")
+    releases_dir = os.path.join(dest, "releases")
+    release_id = os.path.basename(os.path.normpath(release))
+    release_dir = os.path.join(releases_dir, release_id)
+    if os.sep in release and os.path.realpath(os.path.dirname(os.path.normpath(release))) != os.path.realpath(releases_dir):
+        raise SyncError(f"release {release} is not in {releases_dir}: give a release id or a directory of it")
+    if release_id.startswith(".") or not os.path.isdir(release_dir):
+        raise SyncError(f"release {release_id} is not kept in {releases_dir} (pruned, or never built): deploy its "
+                        "sources again instead")
+    _, recorded = release_manifest(release_dir)
+    if recorded is None:
+        raise SyncError(f"release {release_dir} has no readable manifest ({MANIFEST_NAME}): deploy its sources again")
+    digest = manifest_hash(recorded)
+    actual = build_manifest(release_dir, exclude)
+    added, removed, modified = compare(recorded, actual)
+    if digest[:RELEASE_ID_LENGTH] != release_id or added or removed or modified:
+        changed_files = sorted(added + removed + modified)
+        raise SyncError(f"release {release_dir} no longer matches its manifest ({len(changed_files)} file(s) differ, "
+                        f"e.g. {', '.join(changed_files[:3]) or 'its id'}): deploy its sources again")
+    current_dir, current_manifest = current_release(dest)
+    pending = current_dir != os.path.realpath(release_dir)
+    added, removed, modified = compare(current_manifest, recorded)
+    result = {
+        "changed": pending,
+        "published": bool(pending and not check_mode),
+        "pending": False,
+        "release": release_dir,
+        "current": os.path.join(dest, "current"),
+        "previous_release": current_dir,
+        "manifest_hash": digest,
+        "files": len(recorded),
+        "files_added": added,
+        "files_removed": removed,
+        "files_modified": modified,
+        "pruned": [],
+        "diff": {
+            "before_header": current_dir or "(no release)",
+            "after_header": release_dir,
+            "before": manifest_text(current_manifest or {}),
+            "after": manifest_text(recorded),
+        },
+    }
+    if not pending or check_mode:
+        return result
+    os.utime(release_dir)  # the newest again
+    swap_symlink(os.path.join(dest, "current"), os.path.join("releases", release_id))
+    protect = {release_id} | ({os.path.basename(current_dir)} if current_dir else set())
+    result["pruned"] = prune_releases(releases_dir, keep, protect=protect)
     return result
 

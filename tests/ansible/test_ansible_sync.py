@@ -6,7 +6,14 @@ import json
 import os
 
 import pytest
-from ansible.module_utils.dflash_sync import MANIFEST_NAME, SyncError, build_manifest, manifest_hash, sync
+from ansible.module_utils.dflash_sync import (
+    MANIFEST_NAME,
+    SyncError,
+    build_manifest,
+    manifest_hash,
+    publish_release,
+    sync,
+)
 
 
 @pytest.fixture
@@ -177,3 +184,59 @@ def test_archive_with_a_path_outside_the_tree_is_refused(tmp_path):
         sync(None, str(tmp_path / "opt"), archive=str(archive))
     with pytest.raises(SyncError, match="does not exist: copy the source tarball there first"):
         sync(None, str(tmp_path / "opt"), archive=str(tmp_path / "missing.tar"))
+
+
+def test_publish_release_makes_the_previous_release_current_again(tree):
+    """A deploy's rollback: the release current pointed to before is published again, as it was built."""
+    src, dest = tree
+    first = sync(str(src), str(dest), EXCLUDE)
+    (src / "dflash" / "train.py").write_text("v2\n")
+    second = sync(str(src), str(dest), EXCLUDE)
+    assert second["previous_release"] == first["release"]
+    # the interpreter's byte code, written into the release by a run of it, is no change of the release
+    (dest / "releases" / first["manifest_hash"][:16] / "dflash" / "__pycache__").mkdir()
+    (dest / "releases" / first["manifest_hash"][:16] / "dflash" / "__pycache__" / "train.pyc").write_bytes(b"\0")
+    checked = publish_release(str(dest), second["previous_release"], EXCLUDE, check_mode=True)
+    assert checked["changed"] and not checked["published"]
+    assert os.path.realpath(dest / "current") == second["release"]
+    back = publish_release(str(dest), second["previous_release"], EXCLUDE)
+    assert back["changed"] and back["published"] and back["previous_release"] == second["release"]
+    assert os.readlink(dest / "current") == "releases/" + first["manifest_hash"][:16]
+    assert (dest / "current" / "dflash" / "train.py").read_text() == "print('train')\n"
+    assert back["files_modified"] == ["dflash/train.py"]
+    again = publish_release(str(dest), first["manifest_hash"][:16], EXCLUDE)  # by id: already current
+    assert not again["changed"] and not again["published"]
+    assert (dest / "releases" / second["manifest_hash"][:16]).is_dir()  # the one rolled back from stays
+
+
+def test_publish_release_refuses_a_missing_foreign_or_damaged_release(tree, tmp_path):
+    src, dest = tree
+    first = sync(str(src), str(dest), EXCLUDE)
+    (src / "dflash" / "train.py").write_text("v2\n")
+    sync(str(src), str(dest), EXCLUDE)
+    with pytest.raises(SyncError, match=r"release 0123456789abcdef is not kept in .*releases \(pruned"):
+        publish_release(str(dest), "0123456789abcdef", EXCLUDE)
+    with pytest.raises(SyncError, match=r"is not in .*releases: give a release id"):
+        publish_release(str(dest), str(tmp_path / "elsewhere" / first["manifest_hash"][:16]), EXCLUDE)
+    (dest / "releases" / first["manifest_hash"][:16] / "dflash" / "train.py").write_text("tampered\n")
+    with pytest.raises(SyncError, match=r"no longer matches its manifest \(1 file\(s\) differ, e.g. dflash/train.py\)"):
+        publish_release(str(dest), first["release"], EXCLUDE)
+    assert os.path.realpath(dest / "current") != first["release"]  # current left alone
+
+
+def test_publish_keeps_the_release_it_replaces_even_beyond_keep(tree, tmp_path):
+    """Releases built but rejected by validation are newer than the running one; publishing a new release must not
+    prune the running one (the rollback target of this deploy)."""
+    src, dest = tree
+    running = sync(str(src), str(dest), EXCLUDE, keep=2)
+    os.utime(running["release"], (1000, 1000))
+    for i, version in enumerate(("rejected 1", "rejected 2")):
+        (src / "dflash" / "train.py").write_text(version + "\n")
+        built = sync(str(src), str(dest), EXCLUDE, keep=2, publish=False)
+        os.utime(built["release"], (2000 + i, 2000 + i))
+    (src / "dflash" / "train.py").write_text("new\n")
+    new = sync(str(src), str(dest), EXCLUDE, keep=2)
+    kept = sorted(p.name for p in (dest / "releases").iterdir())
+    assert kept == sorted([running["manifest_hash"][:16], new["manifest_hash"][:16]])
+    publish_release(str(dest), new["previous_release"], EXCLUDE, keep=2)
+    assert os.path.realpath(dest / "current") == running["release"]
