@@ -242,7 +242,7 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.dflash_gpu import GpuQueryError
-from ansible.module_utils.dflash_host import ModuleHost, read_text
+from ansible.module_utils.dflash_host import ModuleHost, read_text_checked
 from ansible.module_utils.dflash_unit import (
     GPU_RELEASE_THRESHOLD_MIB,
     GPU_RELEASE_TIMEOUT,
@@ -327,11 +327,16 @@ def main():
             module.fail_json(msg="command must list at least the program to run, e.g. [/opt/dflash/venv/bin/python, -m, dflash, train, CONFIG]")
         missing = []
         if p["environment_file"]:
-            env_text = read_text(p["environment_file"])
+            # root's own files: a link root made is followed, one another account made is not (dflash_host)
+            env_text, unsafe = read_text_checked(p["environment_file"], follow=True)
+            if unsafe:
+                module.fail_json(msg=f"environment_file {p['environment_file']} {unsafe}: make it a plain file owned by root")
             if env_text is None:
                 missing.append(f"environment_file {p['environment_file']} does not exist: write it first (the env role does) or drop the option")
         if p["config_path"]:
-            config_text = read_text(p["config_path"])
+            config_text, unsafe = read_text_checked(p["config_path"], limit=16 << 20, follow=True)
+            if unsafe:
+                module.fail_json(msg=f"config_path {p['config_path']} {unsafe}: make it a plain file owned by root")
             if config_text is None:
                 missing.append(f"config_path {p['config_path']} does not exist: render the run config before launching")
         if missing and not module.check_mode:

@@ -10,8 +10,10 @@ calls through ``module.run_command`` and ``module.atomic_move``.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -112,28 +114,176 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def read_text(path, default=None):
+# Root reads files that the trainer account can write (heartbeat.json, node files, checkpoints/latest, the
+# log): at most this much, so a huge or endless file cannot eat the module's memory.
+READ_LIMIT = 1 << 20
+# Symbolic links followed while resolving one path (the kernel's own limit).
+MAX_LINKS = 40
+
+_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link"))
+
+
+class UnsafeFile(OSError):
+    """A path root refuses to read or follow; ``reason`` completes a sentence that starts with the path."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def file_kind(mode):
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def _fail(where, path, reason, final=True):
+    """``reason`` of the file itself (``final``, with the resolved name if a root-owned link led there), or of
+    a directory on the way to it."""
+    if final:
+        raise UnsafeFile(reason if where == path.rstrip("/") else f"{reason} (at {where})")
+    raise UnsafeFile(f"is under {where}, {reason.removeprefix('is ')}")
+
+
+def open_nofollow(path, follow=False):
+    """A read-only fd of the regular file ``path``, opened without following a link root did not make.
+
+    The path is resolved one component at a time (``openat`` with ``O_NOFOLLOW``): a symbolic link is
+    followed only when root owns it (the system's own links, an operator's mount link); a link owned by any
+    other account (the trainer replacing its run directory, or a file in it) raises ``UnsafeFile``. The
+    last component is never a link unless ``follow`` (root's own paths, such as an operator's environment
+    file, may be links to root's files). It is opened with ``O_NONBLOCK`` (a FIFO never blocks the open)
+    and must be a regular file: a FIFO, device, socket or directory raises ``UnsafeFile`` naming its kind.
+    ``FileNotFoundError``/``NotADirectoryError`` pass through (missing)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    walk = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not path.startswith("/"):
+        parts = [p for p in os.getcwd().split("/") if p] + parts
+    dir_fd = os.open("/", walk)
+    links = 0
+    done = ""
     try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+        while parts:
+            name = parts.pop(0)
+            where = (done.rstrip("/") + "/" + name) if name != ".." else (os.path.dirname(done) or "/")
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode) and (parts or follow):
+                if st.st_uid != 0:
+                    _fail(where, path, f"a symbolic link owned by uid {st.st_uid}, which root does not follow", final=False)
+                links += 1
+                if links > MAX_LINKS:
+                    _fail(where, path, "a symbolic link of too many levels of links", final=False)
+                target = os.readlink(name, dir_fd=dir_fd)
+                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+                if target.startswith("/"):
+                    os.close(dir_fd)
+                    dir_fd, done = os.open("/", walk), ""
+                continue
+            if not parts:
+                if stat.S_ISLNK(st.st_mode):
+                    _fail(where, path, f"is a symbolic link (to {os.readlink(name, dir_fd=dir_fd)}), which root does not follow")
+                try:
+                    fd = os.open(name, flags, dir_fd=dir_fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:  # replaced by a link since the stat
+                        _fail(where, path, "is a symbolic link, which root does not follow")
+                    raise
+                kind = os.fstat(fd).st_mode
+                if not stat.S_ISREG(kind):
+                    os.close(fd)
+                    _fail(where, path, f"is not a regular file ({file_kind(kind)})")
+                return fd
+            try:
+                next_fd = os.open(name, walk, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # replaced by a link since the stat
+                    _fail(where, path, "a symbolic link, which root does not follow", final=False)
+                raise
+            os.close(dir_fd)
+            dir_fd, done = next_fd, where
+        raise UnsafeFile("is not a regular file (directory)")
+    finally:
+        os.close(dir_fd)
+
+
+def _read_fd(fd, limit, strict=True):
+    """At most ``limit`` bytes; ``strict``: more than that raises UnsafeFile instead of being cut."""
+    chunks, size = [], 0
+    while size <= limit:
+        chunk = os.read(fd, min(65536, limit + (1 if strict else 0) - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if strict and size > limit:
+        raise UnsafeFile(f"is larger than {_size(limit)}, more than root reads")
+    return b"".join(chunks)
+
+
+def _size(limit):
+    return f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"
+
+
+def read_text_checked(path, limit=READ_LIMIT, follow=False):
+    """``(text, None)``; ``(None, None)`` when missing; ``(None, reason)`` when root does not read it.
+
+    ``reason`` completes a sentence that starts with the path ("is not a regular file (fifo)", "is a
+    symbolic link (to /dev/zero), which root does not follow", "is larger than 1 MiB, more than root reads").
+    See ``open_nofollow``: never blocks, never follows a link another account made, reads at most ``limit``."""
+    try:
+        fd = open_nofollow(path, follow=follow)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except UnsafeFile as exc:
+        return None, exc.reason
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror})"
+    try:
+        data = _read_fd(fd, limit)
+    except (FileNotFoundError, ProcessLookupError):
         # ProcessLookupError: a /proc/PID file opened just before PID exited fails on read (ESRCH)
-        return default
+        return None, None
+    except UnsafeFile as exc:
+        return None, exc.reason
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror})"
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", errors="replace"), None
 
 
-def tail_lines(path, count, max_bytes=256 * 1024):
-    """The last ``count`` lines of a (possibly huge) text file, or None if it does not exist."""
+def read_text(path, default=None, limit=READ_LIMIT, follow=False):
+    """The text of ``path``, or ``default`` when it is missing or root does not read it (read_text_checked)."""
+    text, _ = read_text_checked(path, limit=limit, follow=follow)
+    return default if text is None else text
+
+
+def tail_lines_checked(path, count, max_bytes=256 * 1024):
+    """``(the last count lines, None)``; ``(None, None)`` when missing; ``(None, reason)`` when not read."""
     try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - max_bytes))
-            data = handle.read()
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None
+        fd = open_nofollow(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except UnsafeFile as exc:
+        return None, exc.reason
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror})"
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        os.lseek(fd, max(0, size - max_bytes), os.SEEK_SET)
+        data = _read_fd(fd, max_bytes, strict=False)  # a log growing during the read: cut at max_bytes
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror})"
+    finally:
+        os.close(fd)
     lines = data.decode("utf-8", errors="replace").splitlines()
     if size > max_bytes and lines:
         lines = lines[1:]  # the first line was cut by the seek
     # Progress bars use carriage returns: keep only the last redraw of each line.
     lines = [line.rsplit("\r", 1)[-1] for line in lines]
-    return lines[-count:] if count > 0 else []
+    return (lines[-count:] if count > 0 else []), None
+
+
+def tail_lines(path, count, max_bytes=256 * 1024):
+    """The last ``count`` lines of a (possibly huge) text file, or None if it is missing or not read."""
+    return tail_lines_checked(path, count, max_bytes)[0]

@@ -54,7 +54,7 @@ def _signal(pid, sig, group=False):
 def build_daemon_environment(spec, pw):
     env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
     if spec.get("environment_file"):
-        env.update(parse_environment_file(read_text(spec["environment_file"], "")))
+        env.update(parse_environment_file(read_text(spec["environment_file"], "", follow=True)))
     env.update(unit_environment(spec))
     return env
 

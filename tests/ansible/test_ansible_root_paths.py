@@ -1,0 +1,145 @@
+"""Root never follows the trainer's paths: the trainer account owns its run directory and can put a FIFO, a
+device or a symbolic link where root expects its heartbeat or log. Root's readers answer at once with a
+reason, read nothing outside, and never hang; the files root writes keep the mode it asks for."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+
+import pytest
+from ansible.module_utils.dflash_health import check_health
+from ansible.module_utils.dflash_host import LocalHost, read_text, read_text_checked, tail_lines
+
+# The unit is this test process, launched an hour ago (as in test_ansible_health).
+ACTIVE = {"load_state": "loaded", "active_state": "active", "sub_state": "running", "main_pid": os.getpid(),
+          "exit_status": None, "result": None, "backend": "daemon", "started_at": time.time() - 3600}  # fmt: skip
+SECRET_STEP = 424242
+
+
+def _run_dir(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.log").write_text("step 1 epoch 0 loss 3.2100\n")
+    return run
+
+
+def _secret(tmp_path):
+    """A root-only heartbeat-shaped file outside the run directory."""
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    path = secret / "heartbeat.json"
+    path.write_text(json.dumps({"step": SECRET_STEP, "time": time.time(), "pid": os.getpid(), "status": "training"}))
+    os.chmod(path, 0o600)
+    return path
+
+
+def _status(run):
+    """One status snapshot (what playbooks/status.yml asks: timeout 0) in a thread: (finished?, result)."""
+    params = {"name": "job", "log_path": str(run / "job.log"), "heartbeat_path": str(run / "heartbeat.json"),
+              "gpu_ids": [], "gpu_min_memory_mib": 1024, "timeout": 0, "progress_window": 60, "poll_interval": 1,
+              "log_lines": 5}  # fmt: skip
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(check_health(LocalHost(), params, lambda: dict(ACTIVE))),
+                              daemon=True)  # fmt: skip
+    worker.start()
+    worker.join(5)
+    return not worker.is_alive(), result
+
+
+def _release_fifo(path):
+    """Unblock a reader stuck in open() of a FIFO (the old code): open the write end and close it."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+@pytest.mark.parametrize("name", ["heartbeat.json", "job.log"])
+def test_a_fifo_in_the_run_directory_is_reported_not_waited_on(tmp_path, name):
+    run = _run_dir(tmp_path)
+    if name == "job.log":
+        (run / name).unlink()
+    os.mkfifo(run / name)
+    try:
+        answered, result = _status(run)
+    finally:
+        _release_fifo(run / name)
+    assert answered, f"status did not answer with {name} a FIFO"
+    assert result["heartbeat"] is None
+    if name == "heartbeat.json":
+        assert f"heartbeat file {run / name} is not a regular file (fifo)" in result["diagnosis"]
+    else:
+        assert f"log {run / name} is not a regular file (fifo): not read" in result["diagnosis"]
+
+
+def test_a_heartbeat_linked_to_dev_zero_is_refused_unread(tmp_path):
+    run = _run_dir(tmp_path)
+    os.symlink("/dev/zero", run / "heartbeat.json")
+    answered, result = _status(run)
+    assert answered, "status did not answer with heartbeat.json -> /dev/zero"
+    assert result["heartbeat"] is None
+    assert f"heartbeat file {run / 'heartbeat.json'} is a symbolic link" in result["diagnosis"]
+
+
+def test_a_heartbeat_linked_to_a_root_only_file_is_not_read(tmp_path):
+    run = _run_dir(tmp_path)
+    os.symlink(_secret(tmp_path), run / "heartbeat.json")
+    answered, result = _status(run)
+    assert answered
+    assert result["heartbeat"] is None and result["step"] is None
+    assert str(SECRET_STEP) not in json.dumps(result, default=str)
+    assert f"heartbeat file {run / 'heartbeat.json'} is a symbolic link" in result["diagnosis"]
+
+
+def test_a_run_directory_replaced_by_the_trainers_link_is_not_followed(tmp_path):
+    secret = _secret(tmp_path)
+    (tmp_path / "job.log").write_text("step 1\n")
+    run = tmp_path / "run"
+    os.symlink(secret.parent, run)
+    os.lchown(run, 4242, 4242)  # the trainer's link, in a directory the trainer owns
+    answered, result = _status(run)
+    assert answered
+    assert result["heartbeat"] is None and str(SECRET_STEP) not in json.dumps(result, default=str)
+    assert f"is under {run}, a symbolic link owned by uid 4242, which root does not follow" in result["diagnosis"]
+
+
+def test_root_owned_links_are_followed_and_missing_files_keep_the_default(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "f").write_text("hello\n")
+    os.symlink(tmp_path / "real", tmp_path / "link")  # root's own link in a path: followed
+    assert read_text(str(tmp_path / "link" / "f")) == "hello\n"
+    assert read_text(str(tmp_path / "missing"), "dflt") == "dflt"
+    assert read_text_checked(str(tmp_path / "missing")) == (None, None)
+    assert read_text(f"/proc/{os.getpid()}/stat").startswith(f"{os.getpid()} (")  # /proc: size 0, still read
+
+
+def test_readers_cap_the_size_they_read(tmp_path):
+    big = tmp_path / "big.json"
+    with open(big, "wb") as handle:
+        handle.truncate(8 << 20)  # sparse: 8 MiB of zeros
+    text, reason = read_text_checked(str(big))
+    assert text is None and "larger than 1 MiB" in reason
+    assert read_text(str(big), "dflt") == "dflt"
+    (tmp_path / "log").write_text("a\n" * 10 + "last\n")
+    assert tail_lines(str(tmp_path / "log"), 2) == ["a", "last"]
+
+
+def test_a_directory_or_device_is_unreadable_with_its_kind(tmp_path):
+    assert read_text_checked(str(tmp_path))[1] == "is not a regular file (directory)"
+    text, reason = read_text_checked("/dev/null", follow=True)
+    assert text is None and reason == "is not a regular file (character device)"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_the_log_reader_never_follows_the_trainers_link(tmp_path):
+    from ansible.module_utils.dflash_logs import read_log
+
+    log = tmp_path / "job.log"
+    os.symlink(_secret(tmp_path), log)
+    with pytest.raises(OSError, match="is a symbolic link .*which root does not follow") as err:
+        read_log(str(log))
+    assert str(SECRET_STEP) not in str(err.value)
