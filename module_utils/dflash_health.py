@@ -37,7 +37,7 @@ import os
 import time
 
 from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, query_gpus
-from ansible.module_utils.dflash_host import read_text, tail_lines
+from ansible.module_utils.dflash_host import read_text, read_text_checked, tail_lines_checked
 from ansible.module_utils.dflash_unit_procs import pid_alive, proc_stat_fields
 from ansible.module_utils.dflash_unit_records import is_running
 
@@ -52,8 +52,13 @@ LAUNCH_SLACK_S = 2.0
 
 
 def read_heartbeat(path):
-    """The heartbeat dict, or ``(None, reason)`` when missing or unreadable."""
-    text = read_text(path)
+    """The heartbeat dict, or ``(None, reason)`` when missing or unreadable.
+
+    The trainer account writes it: a FIFO, a device or a link in its place is reported, never waited on
+    or followed (dflash_host.read_text_checked), and at most 1 MiB of it is read."""
+    text, unsafe = read_text_checked(path)
+    if unsafe:
+        return None, f"heartbeat file {path} {unsafe}: not read (the trainer writes it as a plain file)"
     if text is None:
         return None, f"heartbeat file {path} does not exist"
     try:
@@ -383,7 +388,8 @@ class HealthTracker:
         return CRASHED if trained else FAILED_TO_START
 
 
-def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, finished=False, state=None):
+def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, finished=False, state=None,
+                     log_unsafe=None):
     unit = obs["unit"]
     hb = obs.get("heartbeat") or {}
     current = obs.get("heartbeat_current")
@@ -428,7 +434,9 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
     if obs.get("gpus") or obs.get("gpu_error"):
         lines.append("GPUs:")
         lines.append(obs["gpu_error"] if obs.get("gpu_error") else format_gpu_table(obs["gpus"], obs.get("gpu_processes", ())))
-    if log_tail is None:
+    if log_unsafe:
+        lines.append(f"log {log_path} {log_unsafe}: not read")
+    elif log_tail is None:
         lines.append(f"log {log_path}: missing")
     else:
         lines.append(f"log {log_path} (last {len(log_tail)} lines):")
@@ -460,13 +468,13 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         host.sleep(min(_sleep_for(params.get("poll_interval", 5), polls), max(0.0, timeout - (now - start))) or 0.1)
         polls += 1
     elapsed = host.now() - start
-    log_tail = tail_lines(params["log_path"], int(params.get("log_lines", 40)))
+    log_tail, log_unsafe = tail_lines_checked(params["log_path"], int(params.get("log_lines", 40)))
     healthy = not failures
     state = tracker.state
     # Only this launch's heartbeat speaks for the job; a rate is reported only while it trains.
     hb = (obs.get("heartbeat") if obs.get("heartbeat_current") else None) or {}
     diagnosis = format_diagnosis(params["name"], healthy, failures, obs, log_tail, elapsed, params["log_path"],
-                                 tracker.finished, state)  # fmt: skip
+                                 tracker.finished, state, log_unsafe=log_unsafe)  # fmt: skip
     return {
         "healthy": healthy,
         "finished": tracker.finished,
