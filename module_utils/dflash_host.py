@@ -53,14 +53,14 @@ class LocalHost:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.chmod(tmp, mode)
-            self._replace(tmp, path)
+            self._replace(tmp, path, mode)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
         fsync_dir(directory)
 
-    def _replace(self, src, dest):
+    def _replace(self, src, dest, mode):
         os.replace(src, dest)
 
     def sleep(self, seconds):
@@ -88,8 +88,21 @@ class ModuleHost(LocalHost):
     def which(self, name, extra_dirs=("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")):
         return self.module.get_bin_path(name, required=False, opt_dirs=list(extra_dirs))
 
-    def _replace(self, src, dest):
-        self.module.atomic_move(src, dest, unsafe_writes=False)
+    def _replace(self, src, dest, mode):
+        # atomic_move gives a new file 0666 & ~umask and, by default, copies an existing file's mode onto the
+        # new one: either way not `mode` (a 0600 environment file would become 0644). keep_dest_attrs=False
+        # keeps the temp file's mode, the umask makes a new file at most `mode`, the fchmod makes it exactly.
+        umask = os.umask(0o777 & ~mode)
+        try:
+            self.module.atomic_move(src, dest, unsafe_writes=False, keep_dest_attrs=False)
+        finally:
+            os.umask(umask)
+        fd = os.open(dest, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
 
     def warn(self, message):
         self.module.warn(message)

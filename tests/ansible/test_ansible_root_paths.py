@@ -143,3 +143,31 @@ def test_the_log_reader_never_follows_the_trainers_link(tmp_path):
     with pytest.raises(OSError, match="is a symbolic link .*which root does not follow") as err:
         read_log(str(log))
     assert str(SECRET_STEP) not in str(err.value)
+
+
+@pytest.fixture
+def module_host(tmp_path, monkeypatch):
+    """A ModuleHost around a real AnsibleModule (its atomic_move), built in this process."""
+    from ansible.module_utils import basic
+    from ansible.module_utils.dflash_host import ModuleHost
+
+    args = {"ANSIBLE_MODULE_ARGS": {"_ansible_tmpdir": str(tmp_path), "_ansible_remote_tmp": str(tmp_path)}}
+    monkeypatch.setattr(basic, "_ANSIBLE_ARGS", json.dumps(args).encode())
+    monkeypatch.setattr(basic, "_ANSIBLE_PROFILE", "legacy")
+    return ModuleHost(basic.AnsibleModule(argument_spec={}))
+
+
+def test_the_environment_file_is_0600_through_ansibles_atomic_move(tmp_path, module_host):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    env_file = state / "environment"
+    module_host.atomic_write(str(env_file), 'HF_TOKEN="secret"\n', mode=0o600)  # new file
+    assert env_file.stat().st_mode & 0o7777 == 0o600
+    os.chmod(env_file, 0o644)  # as an earlier release left it
+    module_host.atomic_write(str(env_file), 'HF_TOKEN="other"\n', mode=0o600)
+    assert env_file.stat().st_mode & 0o7777 == 0o600 and env_file.read_text() == 'HF_TOKEN="other"\n'
+    module_host.atomic_write(str(state / "hook.sh"), "#!/bin/sh\n", mode=0o755)  # wider than the umask allows
+    assert (state / "hook.sh").stat().st_mode & 0o7777 == 0o755
+    module_host.atomic_write(str(state / "plain"), "x\n")
+    assert (state / "plain").stat().st_mode & 0o7777 == 0o644
+    assert sorted(p.name for p in state.iterdir()) == ["environment", "hook.sh", "plain"]  # no temp file left
