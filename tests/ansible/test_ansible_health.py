@@ -69,13 +69,13 @@ def test_advancing_trainer_is_healthy(tmp_path):
     assert "is healthy" in result["diagnosis"]
 
 
-def test_stalled_heartbeat_is_diagnosed(tmp_path):
+def test_stalled_heartbeat_is_diagnosed(tmp_path, fake_host):
     (tmp_path / "job.log").write_text("step 12 epoch 0 loss 3.2100\n")
     os.utime(tmp_path / "job.log", (time.time() - 100, time.time() - 100))
     write_heartbeat(tmp_path / "heartbeat.json", 12, age=60)
-    started = time.monotonic()
-    result = check_health(LocalHost(), params(tmp_path, progress_window=1), lambda: dict(ACTIVE))
-    assert time.monotonic() - started < 2.5  # a stall longer than the window is final at once
+    host = fake_host()  # a fake clock: time passes only when the check sleeps
+    result = check_health(host, params(tmp_path, progress_window=1), lambda: dict(ACTIVE))
+    assert host.clock == 0 and result["elapsed_s"] == 0  # a stall longer than the window is final at once
     assert not result["healthy"] and set(result["failed_invariants"]) == {"log", "progress"}
     reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
     assert reasons["progress"] == "no progress: heartbeat step stayed at 12 for 60s"
@@ -84,11 +84,12 @@ def test_stalled_heartbeat_is_diagnosed(tmp_path):
     assert "  | step 12 epoch 0 loss 3.2100" in result["diagnosis"]
 
 
-def test_fresh_heartbeat_that_does_not_advance_is_not_progress(tmp_path):
+def test_fresh_heartbeat_that_does_not_advance_is_not_progress(tmp_path, fake_host):
     """The recorded GPU deploy: a heartbeat at step 1 with the same time through the whole check is a hang."""
     (tmp_path / "job.log").write_text("step 1\n")
     write_heartbeat(tmp_path / "heartbeat.json", 1)
-    result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=4), lambda: dict(ACTIVE))
+    result = check_health(fake_host(), params(tmp_path, progress_window=1, timeout=4), lambda: dict(ACTIVE))
+    assert 1 <= result["elapsed_s"] < 4  # final once it stayed a whole window, before the timeout
     assert not result["healthy"] and result["state"] == "hung" and not result["ok"]
     assert "progress" in result["failed_invariants"]
     reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
@@ -158,26 +159,26 @@ def test_heartbeat_of_a_rank_below_the_main_pid_is_this_launchs(tmp_path):
     assert result["heartbeat_current"] and result["state"] == "training" and child.pid in result["unit_pids"]
 
 
-def test_missing_log_and_heartbeat(tmp_path):
+def test_missing_log_and_heartbeat(tmp_path, fake_host):
     launched = {**ACTIVE, "started_at": time.time()}
-    result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=3), lambda: dict(launched))
+    result = check_health(fake_host(), params(tmp_path, progress_window=1, timeout=3), lambda: dict(launched))
     assert set(result["failed_invariants"]) == {"log", "progress"}
     assert f"log file {tmp_path / 'job.log'} does not exist" in result["diagnosis"]
     assert f"no heartbeat: heartbeat file {tmp_path / 'heartbeat.json'} does not exist" in result["diagnosis"]
     assert f"log {tmp_path / 'job.log'}: missing" in result["diagnosis"]
-    assert 0.9 <= result["elapsed_s"] < 3  # failing for a whole window is final
+    assert 1 <= result["elapsed_s"] < 3  # failing for a whole window is final, before the timeout (fake clock)
 
 
-def test_dead_unit_shows_the_trainers_error(tmp_path):
+def test_dead_unit_shows_the_trainers_error(tmp_path, fake_host):
     backend = DaemonBackend(LocalHost())
     spec = {"name": "dead", "command": ["sh", "-c", "echo 'Traceback...' ; echo 'dflash: error: data.train_path /data/x.jsonl does not exist; "
             "fix data.train_path' >&2; exit 2"], "log_path": str(tmp_path / "job.log"), "state_dir": str(tmp_path / "state"),
             "working_directory": str(tmp_path)}  # fmt: skip
     backend.start(spec)
     wait_for(lambda: backend.status(spec)["active_state"] == "failed")
-    started = time.monotonic()
-    result = check_health(LocalHost(), params(tmp_path, progress_window=30, timeout=30), lambda: {**backend.status(spec), "backend": "daemon"})
-    assert time.monotonic() - started < 2  # a dead unit is final: no waiting for the timeout
+    host = fake_host()
+    result = check_health(host, params(tmp_path, progress_window=30, timeout=30), lambda: {**backend.status(spec), "backend": "daemon"})
+    assert host.clock == 0 and result["elapsed_s"] == 0  # a dead unit is final: no waiting for the timeout
     assert "unit" in result["failed_invariants"]
     assert result["unit"]["exit_status"] == 2
     text = result["diagnosis"]
@@ -186,12 +187,12 @@ def test_dead_unit_shows_the_trainers_error(tmp_path):
     assert "  | dflash: error: data.train_path /data/x.jsonl does not exist; fix data.train_path" in text
 
 
-def test_heartbeat_of_a_dead_trainer_is_not_progress(tmp_path):
+def test_heartbeat_of_a_dead_trainer_is_not_progress(tmp_path, fake_host):
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
     dead_pid = int(proc.stdout)
     (tmp_path / "job.log").write_text("x\n")
     write_heartbeat(tmp_path / "heartbeat.json", 500, pid=dead_pid)  # left over from the previous run
-    result = check_health(LocalHost(), params(tmp_path, progress_window=1, timeout=2), lambda: dict(ACTIVE))
+    result = check_health(fake_host(), params(tmp_path, progress_window=1, timeout=2), lambda: dict(ACTIVE))
     reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
     assert f"its pid {dead_pid} is not a process of the unit" in reasons["progress"]
     assert result["state"] == "hung" and result["step"] is None
@@ -254,13 +255,14 @@ def test_last_eval_reports_the_real_acceptance_length_beside_the_simulated_tau(t
     assert "last eval (step 100): simulated tau=6.7 real acceptance length=1.25" in result["diagnosis"]
 
 
-def test_trainer_reported_failure(tmp_path):
+def test_trainer_reported_failure(tmp_path, fake_host):
     (tmp_path / "job.log").write_text("x\n")
     write_heartbeat(tmp_path / "heartbeat.json", 3, status="failed", error="No space left on device")
-    result = check_health(LocalHost(), params(tmp_path, progress_window=30, timeout=30), lambda: dict(ACTIVE))
+    host = fake_host()
+    result = check_health(host, params(tmp_path, progress_window=30, timeout=30), lambda: dict(ACTIVE))
     assert result["failures"] == [{"invariant": "progress",
                                    "reason": "trainer reported status 'failed' at step 3: No space left on device"}]
-    assert result["elapsed_s"] < 2 and result["state"] == "crashed"
+    assert host.clock == 0 and result["state"] == "crashed"  # final at the first look
 
 
 GPU_CSV = "0, GPU-0, NVIDIA H200, 580.159.04, 143771, {0}, 90, Disabled\n1, GPU-1, NVIDIA H200, 580.159.04, 143771, {1}, 0, Disabled\n"
@@ -313,7 +315,7 @@ def test_gpu_missing_nvidia_smi_or_absent_gpu_is_final(tmp_path, fake_host):
 
 
 @pytest.mark.parametrize("timeout", [0])
-def test_zero_timeout_is_one_snapshot(tmp_path, timeout):
-    started = time.monotonic()
-    result = check_health(LocalHost(), params(tmp_path, timeout=timeout), lambda: dict(ACTIVE))
-    assert time.monotonic() - started < 1 and not result["healthy"]
+def test_zero_timeout_is_one_snapshot(tmp_path, timeout, fake_host):
+    host = fake_host()
+    result = check_health(host, params(tmp_path, timeout=timeout), lambda: dict(ACTIVE))
+    assert host.clock == 0 and not result["healthy"]  # one look, no sleep
