@@ -90,7 +90,7 @@ def test_sigkill_after_stop_timeout(daemon):
     record = json.loads(open(spec["state_dir"] + "/pid").read())
     started = time.monotonic()
     status = backend.stop(spec)
-    assert 0.9 <= time.monotonic() - started < 8
+    assert time.monotonic() - started >= 0.9  # SIGKILL only after the stop timeout (1 s)
     assert job_processes(record) == [] and status["exit_status"] == 137
 
 
@@ -136,16 +136,16 @@ def test_start_does_not_hold_the_callers_pipes(tmp_path):
         ansible.module_utils.__path__.append({str(ROOT / 'module_utils')!r})
         from ansible.module_utils.dflash_host import LocalHost
         from ansible.module_utils.dflash_unit_daemon import DaemonBackend
-        spec = dict(name="pipes", command=["sleep", "30"], log_path={str(tmp_path / 'log')!r},
+        spec = dict(name="pipes", command=["sleep", "600"], log_path={str(tmp_path / 'log')!r},
                     state_dir={str(tmp_path / 'state')!r}, working_directory="/")
         DaemonBackend(LocalHost()).start(spec)
         print("started")
     """)
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20)
+    # A held pipe would keep subprocess.run reading until the job (sleep 600) ends: it times out instead.
     try:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip() == "started" and time.monotonic() - started < 10
+        assert proc.stdout.strip() == "started"
     finally:
         DaemonBackend(LocalHost()).stop({"name": "pipes", "state_dir": str(tmp_path / "state"), "stop_timeout": 1})
 
