@@ -85,12 +85,14 @@ def test_blocks_whose_labels_change_after_building_are_not_read_stale():
 
 def test_input_timer_counts_host_time_and_resets():
     timer = InputTimer(torch.device("cpu"))
+    outer = time.perf_counter()
     with timer():
         time.sleep(0.05)
     with timer():
         time.sleep(0.02)
+    outer = time.perf_counter() - outer
     first = timer.collect()
-    assert 0.07 <= first < 1.0
+    assert 0.07 <= first <= outer  # both blocks, and nothing outside them
     assert timer.collect() == 0.0
 
 
