@@ -1,5 +1,7 @@
-"""Typed results from real recorded event streams: a launch that trains, a failed health check,
-an unreachable host, logs and stop (recorded by tests/ops/record_events.py)."""
+"""Typed results from replays of recorded ansible-runner event streams: a launch that trains, a failed health
+check, an unreachable host, logs and stop. The streams were recorded once by tests/ops/record_events.py (some in
+LXC containers, some on a GPU machine); these tests feed them to the result collector and run no ansible, no
+container and no GPU themselves."""
 
 from __future__ import annotations
 
@@ -15,14 +17,14 @@ from dflash.ops.progress import RichProgress
 from dflash.ops.results import EventCollector, derive_state, failure_message, module_name
 
 
-def test_the_recordings_are_real_runner_streams():
+def test_the_recordings_are_runner_event_streams():
     for name in ("deploy_success", "deploy_health_failed", "status_unreachable", "stop", "logs", "status_lxc_systemd"):
         kinds = {e["event"] for e in load(name)["events"]}
         assert {"playbook_on_play_start", "playbook_on_task_start", "playbook_on_stats"} <= kinds
         assert kinds & {"runner_on_ok", "runner_on_failed", "runner_on_unreachable"}
 
 
-def test_a_launch_that_trains():
+def test_replay_a_launch_that_trains():
     result = replay("deploy_success")
     assert result.ok and result.failures == [] and result.error is None
     job = result.containers["dflash-fixture"]
@@ -38,7 +40,7 @@ def test_a_launch_that_trains():
     assert result.stats["ok"]["dflash-fixture"] > 10 and result.stats["failures"] == {}
 
 
-def test_a_failed_health_check_names_task_host_and_the_trainers_error():
+def test_replay_a_failed_health_check_names_task_host_and_the_trainers_error():
     result = replay("deploy_health_failed")
     assert not result.ok and result.status == "failed" and result.rc == 2
     [failure] = result.failures
@@ -57,7 +59,7 @@ def test_a_failed_health_check_names_task_host_and_the_trainers_error():
     assert "\n" not in message
 
 
-def test_an_unreachable_host_fails_the_operation_and_the_other_host_still_reports():
+def test_replay_an_unreachable_host_fails_the_operation_and_the_other_host_still_reports():
     result = replay("status_unreachable")
     assert not result.ok
     [failure] = result.failures
@@ -72,7 +74,7 @@ def test_an_unreachable_host_fails_the_operation_and_the_other_host_still_report
     assert job.state == "training" and job.failure is None and job.pid and job.step is not None
 
 
-def test_logs_last_lines_and_a_follow_read():
+def test_replay_logs_last_lines_and_a_follow_read():
     job = replay("logs").containers["dflash-fixture"]
     assert len(job.log_tail) == 5 and job.log_path.endswith("dflash-ops-fixture.log")
     assert job.log_next_offset > 0
@@ -90,7 +92,7 @@ def test_the_log_read_is_recognised_by_its_module_not_by_the_tasks_name():
     assert collector.containers["dflash-fixture"].log_tail[-1].startswith("step 40 ")
 
 
-def test_stop_reports_the_stopped_unit_and_its_exit_status():
+def test_replay_stop_reports_the_stopped_unit_and_its_exit_status():
     result = replay("stop")
     job = result.containers["dflash-fixture"]
     assert result.ok and job.action == "stopped" and job.unit_state == "inactive"
@@ -140,7 +142,7 @@ def test_module_names_and_states():
     assert derive_state(job) == "failed"
 
 
-def test_status_of_a_systemd_unit_in_a_real_lxc_container():
+def test_replay_status_of_a_systemd_unit_recorded_in_an_lxc_container():
     result = replay("status_lxc_systemd")  # recorded against inventories/local after `make train`
     assert result.ok
     job = result.containers["dflash-local"]
@@ -149,7 +151,7 @@ def test_status_of_a_systemd_unit_in_a_real_lxc_container():
     assert job.step > 0 and job.tokens_per_s > 0 and job.tau > 1 and len(job.log_tail) == 10
 
 
-def test_gpu_memory_per_gpu_from_a_run_on_a_real_gpu():
+def test_replay_gpu_memory_per_gpu_recorded_on_a_gpu_machine():
     # Recorded on an NVIDIA H200 machine: `record_events.py --gpu` (the tiny run on GPU 0).
     deployed = replay("deploy_gpu").containers["dflash-fixture"]
     # This recording predates the progress invariant: its heartbeat stayed at step 1 with the same time through
@@ -161,12 +163,19 @@ def test_gpu_memory_per_gpu_from_a_run_on_a_real_gpu():
     assert gpu.used_mib >= 256  # the health check's gpu_min_memory_mib: the model is on the GPU
     status = replay("status_gpu")
     assert status.containers["dflash-fixture"].gpus[0].used_mib == gpu.used_mib
+
+
+def test_replay_a_stop_that_ended_in_sigkill_is_reported_failed_not_stopped():
+    """The GPU recording's stop: its trainer (of that time) did not reach a step boundary within the 30 s stop
+    timeout and was SIGKILLed (exit 137). That is no clean stop, and the result must not read as one."""
     stopped = replay("stop_gpu").containers["dflash-fixture"]
-    # The trainer did not reach a step boundary within the 30 s stop timeout: SIGKILL (128 + 9).
-    assert stopped.action == "stopped" and stopped.exit_status == 137 and stopped.state == "failed"
+    assert stopped.action == "stopped" and stopped.exit_status == 137
+    assert stopped.state == "failed" and stopped.state != "stopped"
+    clean = replay("stop").containers["dflash-fixture"]  # a clean stop: SIGTERM honoured, exit 0
+    assert clean.state == "stopped" and clean.exit_status == 0
 
 
-def test_train_yml_in_a_real_lxc_container():
+def test_replay_train_yml_recorded_in_an_lxc_container():
     # train.yml (provision + deploy) from tests/ops/test_ops_lxc.py: the code had changed, so a restart.
     doc = load("train_lxc_systemd")
     plays = [e["event_data"]["play"] for e in doc["events"] if e["event"] == "playbook_on_play_start"]
