@@ -32,7 +32,9 @@ description:
     (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command in its own process group under a
     small supervisor process (outside that group, module_utils/dflash_supervisor.py) that records every end in
     O(state_dir), also after a SIGKILL, and does what systemd does for the other backend - restart with delay and
-    burst, the watchdog (an abstract C(NOTIFY_SOCKET)), the failure hook. Stop is SIGTERM to the job's process group
+    burst, the watchdog (an abstract C(NOTIFY_SOCKET) that hears only root and the job's user: every datagram's
+    sender is checked by its kernel credentials), the failure hook (its arguments pass to the supervisor in a
+    root-only file of O(state_dir), never on its command line). Stop is SIGTERM to the job's process group
     (while its leader, known by pid and start time, lives) and to every process carrying the job's
     C(DFLASH_UNIT_ID) environment marker, then SIGKILL after O(stop_timeout). Never by process name.
   - Idempotence by a config hash of O(command), O(environment), the content of O(environment_file), the content of
@@ -60,7 +62,9 @@ options:
     type: list
     elements: str
   environment_file:
-    description: A KEY=VALUE file loaded into the job's environment (systemd C(EnvironmentFile=) syntax). Must exist.
+    description:
+      - A KEY=VALUE file loaded into the job's environment (systemd C(EnvironmentFile=) syntax). Must exist.
+      - A regular file; a symbolic link is followed only when root owns it (never one another account made).
     type: path
   environment:
     description: Extra environment variables; they override the file. Never logged; one line each (no newline).
@@ -73,10 +77,15 @@ options:
     description: Run the job as this user (must exist). Defaults to the user Ansible runs as.
     type: str
   log_path:
-    description: File that receives stdout and stderr (appended). Its directory is created if missing.
+    description:
+      - File that receives stdout and stderr (appended). Its directory is created if missing.
+      - A symbolic link, FIFO or device at this path is refused (root appends there and never writes through it).
     type: path
   config_path:
-    description: The job's config file; its content enters the config hash so that editing it restarts the job.
+    description:
+      - The job's config file; its content enters the config hash so that editing it restarts the job.
+      - Read as a regular file of at most 16 MiB; a symbolic link is followed only when root owns it (as for
+        O(environment_file)).
     type: path
   backend:
     description:

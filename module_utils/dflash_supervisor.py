@@ -8,10 +8,16 @@ trainer's user), records every end of it in the state directory (``exit_status``
 when its watchdog pings stop (the sd_notify protocol on an abstract socket named in NOTIFY_SOCKET), and runs
 the operator's failure hook when the restarts are exhausted.
 
-Run by dflash_unit as ``python -I -c <this file's source> STATE_DIR PIPE_FD OPTIONS_JSON -- COMMAND...``;
-it imports nothing outside the standard library. OPTIONS_JSON: name, state_dir, uid, gid, user (null = no change),
-workdir, token (the job's DFLASH_UNIT_ID marker), restart {policy, delay, burst, interval}, watchdog {interval,
-start_interval}, on_failure (argv or null), log_path. The first start's pid goes through PIPE_FD.
+Run by dflash_unit as ``python -I -c <this file's source> STATE_DIR PIPE_FD OPTIONS_FILE -- COMMAND...``;
+it imports nothing outside the standard library. OPTIONS_FILE (root's, 0600, in the root-only state
+directory: the hook's arguments never appear in this process's argv) holds JSON: name, state_dir, uid, gid,
+user (null = no change), workdir, token (the job's DFLASH_UNIT_ID marker), restart {policy, delay, burst,
+interval}, watchdog {interval, start_interval}, on_failure (argv or null). The first start's pid goes through
+PIPE_FD.
+
+The watchdog socket is abstract (any local account could name it), so every datagram carries its sender's
+credentials (SO_PASSCRED, checked by the kernel): only root and the job's own uid are heard; anything else is
+dropped, with one line in the job's log per sender uid.
 """
 
 import json
@@ -19,12 +25,15 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import time
 
 # Ends that count as success for Restart=on-failure (systemd's clean exit signals) and exits never restarted.
 CLEAN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE)
 NO_RESTART_EXIT_STATUS = (2,)
+# struct ucred: pid, uid, gid
+UCRED = struct.Struct("iII")
 
 
 def proc_starttime(pid):
@@ -84,8 +93,28 @@ def parse_notify(data):
     return fields
 
 
-def wait_job(pid, sock, watchdog):
+def receive_notify(sock, allowed_uids, refused):
+    """One datagram's fields when root or the job's uid sent it, else None (its sender logged once per uid)."""
+    data, ancillary, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(UCRED.size))
+    sender = None
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= UCRED.size:
+            sender = UCRED.unpack(payload[: UCRED.size])
+    if sender is None or sender[1] not in allowed_uids:
+        uid = None if sender is None else sender[1]
+        if uid not in refused:
+            refused.add(uid)
+            who = "without credentials" if sender is None else f"from uid {uid} (pid {sender[0]})"
+            sys.stderr.write(f"dflash-unit: ignored a watchdog message {who}: only root and the job's user "
+                             "may notify its supervisor\n")
+            sys.stderr.flush()
+        return None
+    return parse_notify(data)
+
+
+def wait_job(pid, sock, watchdog, allowed_uids=(0,)):
     """Wait for the job to end; kill its group when the watchdog expires. Returns (wait status, watchdog kill)."""
+    refused = set()
     interval = float(watchdog.get("start_interval") or watchdog.get("interval") or 0)
     deadline = time.monotonic() + interval if interval else None
     while True:
@@ -96,7 +125,7 @@ def wait_job(pid, sock, watchdog):
         if sock is None:
             time.sleep(timeout)
         elif select.select([sock], [], [], timeout)[0]:
-            fields = parse_notify(sock.recv(4096))
+            fields = receive_notify(sock, allowed_uids, refused) or {}
             if fields.get("WATCHDOG_USEC", "").isdigit():
                 interval = int(fields["WATCHDOG_USEC"]) / 1e6
                 deadline = time.monotonic() + interval
@@ -122,17 +151,23 @@ def describe(status, watchdog_kill):
 
 
 def main(argv):
-    state_dir, pipe_fd, options = argv[0], int(argv[1]), json.loads(argv[2])
+    state_dir, pipe_fd = argv[0], int(argv[1])
+    with open(argv[2], encoding="utf-8") as handle:
+        options = json.load(handle)
     cmd = argv[4:]
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     restart = options.get("restart") or {}
     watchdog = options.get("watchdog") or {}
     sock = address = None
+    allowed_uids = {0, int(options["uid"])}
     if watchdog.get("interval"):
-        # Abstract: the job's user can reach it though the state directory is root's alone.
-        address = "@dflash-notify-" + options["token"]
+        # Abstract: the job's user can reach it though the state directory is root's alone. Any account can
+        # send to it too, so every datagram's sender is checked (receive_notify). Its own random name: the
+        # job's marker token is not published in /proc/net/unix.
+        address = "@dflash-notify-" + os.urandom(16).hex()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.bind("\0" + address[1:])
     starts, restarts = [], 0
     while True:
@@ -145,7 +180,7 @@ def main(argv):
             os.write(pipe_fd, str(pid).encode())
             os.close(pipe_fd)
             pipe_fd = -1
-        status, watchdog_kill = wait_job(pid, sock, watchdog)
+        status, watchdog_kill = wait_job(pid, sock, watchdog, allowed_uids)
         result, words, code = describe(status, watchdog_kill)
         atomic_write(os.path.join(state_dir, "exit_status"), f"{code}\n")
         with open(os.path.join(state_dir, "events"), "a") as handle:

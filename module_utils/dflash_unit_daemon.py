@@ -12,11 +12,12 @@ import json
 import os
 import pwd
 import signal
+import stat
 import sys
 import uuid
 
 from ansible.module_utils import dflash_supervisor
-from ansible.module_utils.dflash_host import read_text
+from ansible.module_utils.dflash_host import file_kind, read_text
 from ansible.module_utils.dflash_unit_procs import job_processes, pid_alive, proc_stat
 from ansible.module_utils.dflash_unit_records import (
     add_restart_facts,
@@ -28,6 +29,8 @@ from ansible.module_utils.dflash_unit_records import (
 from ansible.module_utils.dflash_unit_spec import UnitError, parse_environment_file, unit_environment
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The supervisor's options (restart, watchdog, the failure hook's arguments), root's alone (0600).
+SUPERVISOR_OPTIONS = "supervisor.json"
 
 
 def _signal_job(record, sig):
@@ -132,6 +135,7 @@ class DaemonBackend:
         log_dir = os.path.dirname(spec["log_path"])
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
+        check_log_path(spec["log_path"])
         remove_files(state_dir, ("exit_status", "events", "reason.env", "stopping", "failed"))
         token = uuid.uuid4().hex
         env = build_daemon_environment(spec, pw)
@@ -145,9 +149,13 @@ class DaemonBackend:
             "restart": spec.get("restart") or {"policy": "no"}, "watchdog": spec.get("watchdog") or {},
             "on_failure": spec.get("on_failure") or None,
         }  # fmt: skip
+        # The options (the failure hook's arguments among them) go through a root-only file, never argv:
+        # anyone can read a process's command line.
+        options_file = os.path.join(state_dir, SUPERVISOR_OPTIONS)
+        self.host.atomic_write(options_file, json.dumps(options) + "\n", mode=0o600)
         read_fd, write_fd = os.pipe()
         argv = [sys.executable, "-I", "-c", inspect.getsource(dflash_supervisor), state_dir, str(write_fd),
-                json.dumps(options), "--", *spec["command"]]  # fmt: skip
+                options_file, "--", *spec["command"]]  # fmt: skip
         child = os.fork()
         if child == 0:  # first child: new session, fork the supervisor, leave
             try:
@@ -198,12 +206,28 @@ class DaemonBackend:
         pass
 
 
+def check_log_path(path):
+    """Root appends the job's output to ``path``: refuse a link, a FIFO or a device there (root would write
+    through it), naming what it is."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise UnitError(f"log_path {path} is not a regular file ({file_kind(st.st_mode)}): root appends the job's "
+                        "output there and does not write through it; remove it or choose another log_path")
+
+
 def _exec_supervisor(argv, env, log_path, pipe_fd):
     """In the forked supervisor: detach from the caller's fds, exec the supervisor. Never returns."""
     try:
         os.umask(0o022)
         null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # never through a link or into a FIFO someone put at the log's path (check_log_path said why)
+        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        if not stat.S_ISREG(os.fstat(log).st_mode):
+            raise OSError(f"{log_path} is not a regular file")
+        os.set_blocking(log, True)
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
+import sys
 import threading
 import time
 
 import pytest
 from ansible.module_utils.dflash_health import check_health
 from ansible.module_utils.dflash_host import LocalHost, read_text, read_text_checked, tail_lines
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend
+from ansible.module_utils.dflash_unit_spec import UnitError
+from conftest import wait_for
 
 # The unit is this test process, launched an hour ago (as in test_ansible_health).
 ACTIVE = {"load_state": "loaded", "active_state": "active", "sub_state": "running", "main_pid": os.getpid(),
@@ -171,3 +176,96 @@ def test_the_environment_file_is_0600_through_ansibles_atomic_move(tmp_path, mod
     module_host.atomic_write(str(state / "plain"), "x\n")
     assert (state / "plain").stat().st_mode & 0o7777 == 0o644
     assert sorted(p.name for p in state.iterdir()) == ["environment", "hook.sh", "plain"]  # no temp file left
+
+
+# --- the daemon backend: the watchdog channel and the failure hook --------------------------------------------
+
+LOOP = [sys.executable, "-u", "-c", "import time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.1)"]
+HOOK_SECRET = "hooks.example/T0KEN-d0-not-show"
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    backend = DaemonBackend(LocalHost())
+    specs = []
+
+    def make(command, **kw):
+        spec = {"name": "rootpaths-" + tmp_path.name[-20:], "command": command, "log_path": str(tmp_path / "job.log"),
+                "state_dir": str(tmp_path / "state"), "stop_timeout": 5, "working_directory": str(tmp_path), **kw}  # fmt: skip
+        specs.append(spec)
+        return spec
+
+    yield backend, make
+    for spec in specs:  # never leave a process behind
+        backend.stop({**spec, "stop_timeout": 1})
+
+
+def _notify_as(uid, address, message):
+    """Send one sd_notify datagram to an abstract ``@address`` from a child process running as ``uid``."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if uid:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.sendto(message, "\0" + address[1:])
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def _notify_socket(pid):
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+    return env[b"NOTIFY_SOCKET"].decode()
+
+
+def test_the_watchdog_hears_only_root_and_the_jobs_user(daemon):
+    backend, make = daemon
+    spec = make(LOOP, watchdog={"interval": 600, "start_interval": 600}, restart={"policy": "no"})
+    backend.start(spec)
+    first = wait_for(lambda: backend.status(spec)["main_pid"])
+    address = _notify_socket(first)
+    # Another account (nobody) asks for an instant watchdog expiry: dropped, said once in the job's log.
+    _notify_as(65534, address, b"WATCHDOG_USEC=1\nWATCHDOG=1\n")
+    refused = "dflash-unit: ignored a watchdog message from uid 65534"
+    wait_for(lambda: refused in open(spec["log_path"]).read() or backend.status(spec)["main_pid"] != first)
+    status = backend.status(spec)
+    assert status["main_pid"] == first and status["watchdog_kills"] == 0, status
+    assert refused in open(spec["log_path"]).read()
+    # root (the job's user here) is heard: the same message ends the job by its watchdog.
+    _notify_as(0, address, b"WATCHDOG_USEC=1\nWATCHDOG=1\n")
+    status = wait_for(lambda: (s := backend.status(spec))["watchdog_kills"] and s)
+    assert status and status["last_exit_reason"] == "watchdog (killed KILL)"
+
+
+def test_the_failure_hooks_arguments_are_in_no_command_line_or_readable_file(daemon, tmp_path):
+    backend, make = daemon
+    hook = ["/bin/sh", "-c", f"echo https://{HOOK_SECRET} >/dev/null"]
+    spec = make(LOOP, on_failure=hook, restart={"policy": "on-failure", "delay": 1, "burst": 3, "interval": 60})
+    backend.start(spec)
+    assert wait_for(lambda: backend.status(spec)["main_pid"])
+    supervisor = json.loads(open(os.path.join(spec["state_dir"], "pid")).read())["supervisor_pid"]
+    with open(f"/proc/{supervisor}/cmdline", "rb") as handle:
+        argv = handle.read().decode(errors="replace")
+    assert spec["state_dir"] in argv  # it is the supervisor's command line
+    assert HOOK_SECRET not in argv
+    for path in tmp_path.rglob("*"):  # where it is written, only root can read it
+        if path.is_file() and HOOK_SECRET in path.read_text(errors="replace"):
+            assert path.stat().st_mode & 0o077 == 0, path
+            assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
+
+
+def test_the_daemon_never_appends_its_log_through_a_link(daemon, tmp_path):
+    backend, make = daemon
+    target = tmp_path / "root-file"
+    target.write_text("root's\n")
+    os.symlink(target, tmp_path / "job.log")
+    spec = make(LOOP)
+    with pytest.raises(UnitError, match=r"log_path .*job.log is not a regular file \(symbolic link\)"):
+        backend.start(spec)
+    assert target.read_text() == "root's\n"
