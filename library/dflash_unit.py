@@ -32,7 +32,7 @@ description:
     (appending) to O(log_path), keeps a pidfile in O(state_dir), and runs the command in its own process group under a
     small supervisor process (outside that group, module_utils/dflash_supervisor.py) that records every end in
     O(state_dir), also after a SIGKILL, and does what systemd does for the other backend - restart with delay and
-    burst, the watchdog (an abstract C(NOTIFY_SOCKET) that hears only root and the job's user: every datagram's
+    burst, the watchdog (an abstract C(NOTIFY_SOCKET) that hears only root and the job's user - every datagram's
     sender is checked by its kernel credentials), the failure hook (its arguments pass to the supervisor in a
     root-only file of O(state_dir), never on its command line). Stop is SIGTERM to the job's process group
     (while its leader, known by pid and start time, lives) and to every process carrying the job's
