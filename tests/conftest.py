@@ -14,6 +14,24 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's --dist loadgroup (pyproject.toml), whose workers run a group one test after the
+    other: the tests that spawn several processes (marked `distributed`) share one group, so two of them never
+    compete for the cores; and the tests of a module with a module-scoped fixture stay together, so that fixture
+    (a training run, a playbook run, a wheel build) is built once, not once per worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope in ("module", "package") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture
 def tiny_dict() -> dict:
     return copy.deepcopy(yaml.safe_load(TINY.read_text()))
