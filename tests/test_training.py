@@ -1,6 +1,7 @@
-"""End-to-end training on CPU: resume equivalence, learning, SIGTERM, export."""
+"""End-to-end training on CPU: resume equivalence, SIGTERM, export (learning: tests/test_recipe.py)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -49,32 +50,6 @@ def test_resume_n_plus_n_equals_2n(tiny_config, tmp_path):
         assert torch.allclose(wa[k], wb[k], atol=1e-6), k
     # the exported checkpoint of each run loads as a drafter
     assert Drafter.load(second.ckpt.latest_valid()).arch.block_size == full.drafter.block_size
-
-
-@pytest.mark.slow
-def test_drafter_learns_what_its_target_generates(tiny_config, tmp_path):
-    """configs/tiny-cpu.yaml trains on answers the target regenerated: an untrained drafter accepts about one
-    token per round in real speculative decoding; after 400 CPU steps it accepts >= 4.0 at B=8, losslessly,
-    and the simulated tau on the held-out data says the same (within 15%)."""
-    cfg = tiny_config
-    cfg.output_dir = str(tmp_path / "learn")
-    cfg.data.synthetic.num_samples = 1500
-    cfg.optim.max_steps = 400
-    cfg.optim.lr = 3e-3
-    cfg.checkpoint.interval = 1000
-    cfg.logging.interval = 100
-    assert cfg.drafter.block_size == 8 and cfg.data.regenerate is not None
-    trainer = Trainer(cfg).setup()
-    before = trainer.speculative_eval()
-    assert before.acceptance_length < 1.5 and before.lossless
-    t0 = time.time()
-    result = trainer.run()
-    real, simulated = result["eval_acceptance_length"], result["eval_tau"]
-    print(f"real acceptance before {before.acceptance_length:.3f} after {real:.3f}, simulated tau {simulated:.3f} "
-          f"in {time.time() - t0:.0f}s")
-    assert result["eval_lossless"] and real >= 4.0
-    assert abs(simulated - real) <= 0.15 * real
-    assert abs(result["eval_tau_walk"] - real) <= 0.15 * real
 
 
 def _spawn(config_path, *overrides):
@@ -141,10 +116,12 @@ def test_bf16_target_trains_on_cpu_and_metrics_report_input_share(tiny_config, t
     trainer = Trainer(cfg).setup()
     assert next(trainer.target.model.parameters()).dtype == torch.bfloat16
     result = trainer.run()
-    assert result["step"] == 4 and result["loss"] == result["loss"]  # finite, not NaN
     records = [r for x in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()
                if (r := json.loads(x)).get("kind") != "eval"]
     assert records and all(0.0 < r["input_frac"] < 1.0 for r in records)
+    # the run's loss is the last logged window's (step 4), a finite positive cross-entropy in every window
+    assert result["step"] == 4 and records[-1]["step"] == 4 and result["loss"] == records[-1]["loss"]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
 
 
 def test_fused_loss_trains_like_the_checkpointed_loss(tiny_config, tmp_path):
