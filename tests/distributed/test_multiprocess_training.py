@@ -6,6 +6,9 @@
   checkpoint is intact;
 * SIGTERM stops every rank at one step boundary with a checkpoint, and the resumed run continues the
   uninterrupted trajectory (here with 2 target ranks feeding 1 drafter rank with grad_accum=2).
+
+Two nodes by static rendezvous on the single-process trajectory (with a lost node and the resume) are proven
+in real containers by molecule/multinode.
 """
 
 import json
@@ -129,10 +132,9 @@ def test_loss_trajectory_matches_single_process(topology, reference, tmp_path):
                          ids=["colocated-drafter-rank-1", "disaggregated-target-rank-0", "layer-split-stage-1"])
 def test_a_crashing_rank_ends_the_job_and_names_itself(topology, fault, tmp_path):
     out = tmp_path / "run"
-    rc, log, elapsed = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml"), fault=fault), 180)
+    rc, log, _ = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml"), fault=fault), 180)
     rank = fault.split(":")[0]
     assert rc == 1, log[-4000:]
-    assert elapsed < 120
     root_cause = log.split("Root Cause (first observed failure):", 1)[1]
     assert f"rank      : {rank} (local_rank: {rank})" in root_cause
     assert f"InjectedFault: injected fault (DFLASH_FAULT_INJECT={fault}) on rank {rank} after 4 steps" in root_cause
@@ -201,33 +203,6 @@ def test_a_hanging_rank_is_timed_out_not_waited_for(tmp_path):
     assert "Timed out waiting 10000ms" in log.split("Root Cause (first observed failure):", 1)[1]
     assert CheckpointManager(out / "checkpoints").latest_valid().name == "step-00000003"
     print(f"hung job ended after {elapsed:.0f}s")
-
-
-@pytest.mark.slow
-def test_two_nodes_by_static_rendezvous_follow_the_same_trajectory(reference, tmp_path):
-    """Two `dflash train` units (one per "node", here both on localhost) with rendezvous from the environment:
-    together the 2-rank colocated job, on the single-process trajectory."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "run"
-    config = write(tiny(out, {**COLOCATED, "nproc": 1}), tmp_path / "run.yaml")
-    procs = []
-    for node in (1, 0):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "dflash", "train", str(config)], cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}, "PYTHONUNBUFFERED": "1",
-                 "DFLASH_NNODES": "2", "DFLASH_NODE_RANK": str(node), "DFLASH_MASTER_PORT": str(port)}))
-    results = [finish(p, 240) for p in procs]
-    for rc, log, _ in results:
-        assert rc == 0, log[-4000:]
-    assert f"--nnodes 2 --node-rank 0 --rdzv-backend static --rdzv-endpoint 127.0.0.1:{port}" in results[1][1]
-    got, want = losses(out), reference["losses"]
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
 
 
 @pytest.mark.slow
