@@ -13,6 +13,10 @@ description:
     C(ROLE/meta/argument_specs.yml) files under O(roles_dirs)) or one of O(known).
   - An unknown one fails, naming the variable, the closest known name (C(difflib)) and where the known ones are
     documented. A typo such as C(dflash_job_confg) is an error instead of a silently ignored setting.
+  - With O(job_name) and O(paths), also the job's name and its paths, by the rules the unit module applies
+    (module_utils/dflash_unit_spec.py) - a name of 1-64 letters, digits, C(-) or C(_); absolute paths of plain
+    characters without C(..) - so that a name such as C(../../../tmp/evil) or C(x; touch /tmp/pwned) is refused here,
+    in the first task of a playbook, before any file is written under it.
   - Reads files on the host it runs on; delegate it to the controller.
 version_added: "0.2.0"
 author: dflash authors
@@ -40,6 +44,15 @@ options:
     description: Where the names come from, for the message (for example the inventory host).
     type: str
     default: the inventory
+  job_name:
+    description: The job's name (C(dflash_job_name)), checked as the unit module checks it. Not checked when omitted.
+    type: str
+  paths:
+    description:
+      - Variable name -> path, each checked as the unit module checks the paths it writes into unit properties
+        (absolute, letters, digits and C(_./+:@-), no C(..)). Empty values are skipped.
+    type: dict
+    default: {}
 attributes:
   check_mode:
     support: full
@@ -59,6 +72,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+invalid:
+  description: One message per invalid job name or path (on failure).
+  returned: always
+  type: list
+  elements: str
 unknown:
   description: The unknown names with their closest known name (null when none is close), on failure too.
   returned: always
@@ -75,6 +93,7 @@ import glob
 import os
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.dflash_unit_spec import UnitError, check_name, check_path
 
 
 def spec_files(roles_dirs):
@@ -103,6 +122,24 @@ def check(names, known, prefix):
     return candidates, unknown
 
 
+def check_job(job_name, paths):
+    """The job's name and paths by the unit module's own rules: one message per invalid one."""
+    problems = []
+    if job_name is not None:
+        try:
+            check_name(job_name)
+        except UnitError as exc:
+            problems.append(f"dflash_job_name: {exc}")
+    for variable, path in sorted((paths or {}).items()):
+        if path in (None, ""):
+            continue
+        try:
+            check_path(variable, str(path))
+        except UnitError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def main():
     module = AnsibleModule(
         argument_spec={
@@ -111,10 +148,19 @@ def main():
             "known": {"type": "list", "elements": "str", "default": []},
             "prefix": {"type": "str", "default": "dflash_"},
             "where": {"type": "str", "default": "the inventory"},
+            "job_name": {"type": "str"},
+            "paths": {"type": "dict", "default": {}},
         },
         supports_check_mode=True,
     )
     p = module.params
+    invalid = check_job(p["job_name"], p["paths"])
+    if invalid:
+        module.fail_json(
+            msg=f"invalid job name or path on {p['where']}: " + "; ".join(invalid) + ". Root would create files and "
+            "directories under them: fix the value in the inventory or -e before anything is written.",
+            invalid=invalid, unknown=[], checked=0,
+        )  # fmt: skip
     files = spec_files(p["roles_dirs"])
     if not files:
         module.fail_json(msg=f"no ROLE/meta/argument_specs.yml under {p['roles_dirs']}: nothing to check the variables against")
@@ -130,9 +176,9 @@ def main():
             msg=f"unknown variable(s) on {p['where']}: " + "; ".join(parts) + ". No role reads them, so they would be "
             "ignored: fix the name in the inventory or -e (the known ones are documented in roles/*/meta/argument_specs.yml "
             "and docs/operations.md).",
-            unknown=unknown, checked=len(checked),
+            unknown=unknown, invalid=[], checked=len(checked),
         )  # fmt: skip
-    module.exit_json(changed=False, unknown=[], checked=len(checked))
+    module.exit_json(changed=False, unknown=[], invalid=[], checked=len(checked))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ from ansible.module_utils.dflash_health import check_health
 from ansible.module_utils.dflash_host import LocalHost, read_text, read_text_checked, tail_lines
 from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from ansible.module_utils.dflash_unit_spec import UnitError
-from conftest import wait_for
+from conftest import ROOT, tool, wait_for
 
 # The unit is this test process, launched an hour ago (as in test_ansible_health).
 ACTIVE = {"load_state": "loaded", "active_state": "active", "sub_state": "running", "main_pid": os.getpid(),
@@ -269,3 +270,55 @@ def test_the_daemon_never_appends_its_log_through_a_link(daemon, tmp_path):
     with pytest.raises(UnitError, match=r"log_path .*job.log is not a regular file \(symbolic link\)"):
         backend.start(spec)
     assert target.read_text() == "root's\n"
+
+
+# --- hostile job names and paths: refused by the first task of every playbook ---------------------------------
+
+HOSTILE_NAMES = ["../../../tmp/evil", "x; touch /tmp/pwned", "two words\nand a line"]
+# What the deploy of these names wrote before the check moved to the first task (and what a shell would).
+WOULD_BE_WRITTEN = ["/tmp/evil.env", "/tmp/evil.yaml", "/var/tmp/evil", "/tmp/pwned", "/var/lib/dflash-units/x; touch "
+                    "/tmp/pwned", "/etc/dflash/two words\nand a line.env"]  # fmt: skip
+
+
+def _run_playbook(tmp_path, playbook, extra):
+    # Nothing may run in the "container": only the first task, delegated to the controller, can run at all.
+    inventory = {"all": {"children": {"dflash_hosts": {"hosts": {}}, "dflash_containers": {"hosts": {"evil-box": {
+        "ansible_connection": "local", "ansible_python_interpreter": str(tmp_path / "no-python-here")}}}}}}
+    (tmp_path / "hosts.yml").write_text(json.dumps(inventory))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_REMOTE_TEMP": str(tmp_path / ".ansible-remote")}  # fmt: skip
+    return subprocess.run([tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(ROOT / "playbooks" / playbook),
+                           "-e", json.dumps(extra)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def _assert_refused_first(proc, message):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    tasks = [line for line in proc.stdout.splitlines() if line.startswith("TASK [")]
+    assert tasks and "Refuse unknown dflash_* variables and invalid job names and paths" in tasks[-1], tasks
+    assert len([t for t in tasks if "included" not in t and "Refuse unknown" not in t]) == 0, tasks
+    assert "invalid job name or path on evil-box" in out and message in out, out[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_hostile_job_names_are_refused_by_the_first_task_of_train(tmp_path, name):
+    before = {p: os.path.lexists(p) for p in WOULD_BE_WRITTEN}
+    proc = _run_playbook(tmp_path, "train.yml", {"dflash_job_name": name})
+    _assert_refused_first(proc, "is not a valid job name")
+    assert {p: os.path.lexists(p) for p in WOULD_BE_WRITTEN} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("playbook", ["provision.yml", "deploy.yml", "status.yml", "stop.yml"])
+def test_every_playbook_refuses_a_hostile_name_first(tmp_path, playbook):
+    before = {p: os.path.lexists(p) for p in WOULD_BE_WRITTEN}
+    proc = _run_playbook(tmp_path, playbook, {"dflash_job_name": HOSTILE_NAMES[0]})
+    _assert_refused_first(proc, "is not a valid job name")
+    assert {p: os.path.lexists(p) for p in WOULD_BE_WRITTEN} == before
+
+
+@pytest.mark.slow
+def test_a_run_directory_outside_by_dot_dot_is_refused_first(tmp_path):
+    proc = _run_playbook(tmp_path, "train.yml", {"dflash_job_run_dir": "/var/lib/dflash/runs/../../../tmp/evil"})
+    _assert_refused_first(proc, "dflash_job_run_dir '/var/lib/dflash/runs/../../../tmp/evil' must be an absolute path")
