@@ -89,7 +89,8 @@ def test_regenerate_train_eval_hybrid_target_is_lossless(tmp_path):
               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_hidden_layers": 6,
               "max_position_embeddings": 512,
               "layer_types": ["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"]}
-    final_eval, report = _recipe(tmp_path, hybrid, steps=40, train_samples=200, eval_samples=20,
+    # losslessness needs no well-trained drafter: a short run, a few prompts
+    final_eval, report = _recipe(tmp_path, hybrid, steps=20, train_samples=100, eval_samples=8,
                                  max_new_tokens=24)
-    assert report["lossless"] and report["lossless_prompts"] == report["num_prompts"] == 20
+    assert report["lossless"] and report["lossless_prompts"] == report["num_prompts"] == 8
     assert final_eval["lossless"]

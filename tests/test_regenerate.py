@@ -369,7 +369,7 @@ def test_cli_output_manifest_and_sharded_ranks(tmp_path, monkeypatch, capsys, ta
 def test_kill_9_then_rerun_resumes_and_equals_an_uninterrupted_run(tmp_path):
     convs = [r["messages"] for r in generate_conversations(36, 64, 4, 10, [1, 2], seed=11)]
     inp = write_rows(tmp_path / "in.jsonl", [{"messages": c} for c in convs])
-    args = ["--target-config", str(TINY), "--max-new-tokens", "40", "--shard-size", "2", "--batch-size", "1"]
+    args = ["--target-config", str(TINY), "--max-new-tokens", "16", "--shard-size", "2", "--batch-size", "1"]
     ref = tmp_path / "ref.jsonl"
     assert main(["regenerate", str(inp), str(ref), *args]) == 0
 
@@ -399,7 +399,7 @@ def test_sigterm_stops_after_finished_shards(tmp_path):
     inp = write_rows(tmp_path / "in.jsonl", [{"messages": c} for c in convs])
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "dflash", "regenerate", str(inp), str(out), "--target-config", str(TINY),
-           "--max-new-tokens", "40", "--shard-size", "2", "--batch-size", "1"]
+           "--max-new-tokens", "16", "--shard-size", "2", "--batch-size", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     parts = tmp_path / "out.jsonl.parts"
     while not list(parts.glob("shard-*.jsonl")) and proc.poll() is None:

@@ -61,6 +61,10 @@ def test_no_matching_container_is_bad_input_and_artifacts_rotate(cache, capsys):
 @pytest.mark.slow
 def test_deploy_status_logs_stop_on_this_machine(cache, job_vars):
     one = "dflash-fixture"
+    # The inventory's job with 200 synthetic conversations instead of 2000: the trainer regenerates their answers
+    # before its first step, and nothing here needs more data.
+    job_vars = {**job_vars, "dflash_job_config": {"logging": {"interval": 1}, "checkpoint": {"interval": 20},
+                                                  "data": {"synthetic": {"num_samples": 200}}}}
     try:
         deployed = ops.deploy(INVENTORY, limit=one, progress=False, extravars=job_vars)
         assert deployed.ok, deployed.message
