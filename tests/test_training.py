@@ -61,6 +61,7 @@ def _spawn(config_path, *overrides):
 def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(write_config, tiny_dict, tmp_path):
     out = tmp_path / "run"
     tiny_dict["output_dir"] = str(out)
+    tiny_dict["data"]["synthetic"]["num_samples"] = 200  # regenerated at each start: enough for the steps here
     tiny_dict["checkpoint"]["interval"] = 100000
     tiny_dict["logging"]["interval"] = 5
     cfg = write_config(tiny_dict)
