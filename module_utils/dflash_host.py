@@ -300,3 +300,62 @@ def tail_lines_checked(path, count, max_bytes=256 * 1024):
 def tail_lines(path, count, max_bytes=256 * 1024):
     """The last ``count`` lines of a (possibly huge) text file, or None if it is missing or not read."""
     return tail_lines_checked(path, count, max_bytes)[0]
+
+
+def _who(uid):
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+def open_directory_nofollow(path, create=False):
+    """An ``O_DIRECTORY`` fd of ``path``, resolved as ``open_nofollow`` does: a link another account made (the
+    trainer replacing its run directory, or a parent it owns) raises ``UnsafeFile``; root's own links are
+    followed. ``create``: missing components are made (root's, 0755) with ``mkdirat`` under the fd of their
+    parent, never through a link. Returns ``(fd, created)``."""
+    walk = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    parts = [p for p in os.path.abspath(path).split("/") if p]
+    dir_fd = os.open("/", walk)
+    links, done, created = 0, "", False
+    try:
+        while parts:
+            name = parts.pop(0)
+            where = done.rstrip("/") + "/" + name
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(name, 0o755, dir_fd=dir_fd)
+                created = True
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    raise UnsafeFile(f"{where} is a symbolic link owned by {_who(st.st_uid)}, which root does not follow")
+                links += 1
+                if links > MAX_LINKS:
+                    raise UnsafeFile(f"{where}: too many levels of symbolic links")
+                target = os.readlink(name, dir_fd=dir_fd)
+                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+                if target.startswith("/"):
+                    os.close(dir_fd)
+                    dir_fd, done = os.open("/", walk), ""
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                raise UnsafeFile(f"{where} is not a directory ({file_kind(st.st_mode)})")
+            try:
+                next_fd = os.open(name, walk, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # replaced since the stat
+                    raise UnsafeFile(f"{where} changed while root resolved it (now a link or not a directory)") from None
+                raise
+            os.close(dir_fd)
+            dir_fd, done = next_fd, where
+        result, dir_fd = dir_fd, -1
+        return result, created
+    finally:
+        if dir_fd >= 0:
+            os.close(dir_fd)

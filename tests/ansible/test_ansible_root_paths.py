@@ -322,3 +322,77 @@ def test_every_playbook_refuses_a_hostile_name_first(tmp_path, playbook):
 def test_a_run_directory_outside_by_dot_dot_is_refused_first(tmp_path):
     proc = _run_playbook(tmp_path, "train.yml", {"dflash_job_run_dir": "/var/lib/dflash/runs/../../../tmp/evil"})
     _assert_refused_first(proc, "dflash_job_run_dir '/var/lib/dflash/runs/../../../tmp/evil' must be an absolute path")
+
+
+# --- the job role: root never follows a link the trainer put at its run directory -----------------------------
+
+
+@pytest.mark.slow
+def test_a_deploy_refuses_a_run_directory_linked_to_a_root_directory(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "dflash").mkdir(parents=True)
+    (repo / "dflash" / "__init__.py").write_text("")
+    (repo / "configs").mkdir()
+    (repo / "configs" / "fake.yaml").write_text("output_dir: runs/fake\nseed: 0\n")
+    (repo / "pyproject.toml").write_text("[project]\nname = 'fake'\n")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, tmp_path / "venv" / "bin" / "python")
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "job.env").write_text("OMP_NUM_THREADS=1\n")
+    # root's private directories, and the trainer's (uid 4242) links to them
+    targets = {}
+    for which in ("run", "parent"):
+        target = targets[which] = tmp_path / f"root-only-{which}"
+        target.mkdir(mode=0o700)
+        (target / "job").mkdir(mode=0o700)
+        (target / "secret").write_text("root's\n")
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, 4242, 4242)
+    os.symlink(targets["run"], home / "run")  # the run directory itself is the trainer's link
+    os.lchown(home / "run", 4242, 4242)
+    os.symlink(targets["parent"], home / "runs")  # a parent of the run directory is the trainer's link
+    os.lchown(home / "runs", 4242, 4242)
+    before = {k: (os.stat(t), sorted(os.listdir(t))) for k, t in targets.items()}
+
+    name = f"rootpaths-{os.getpid()}"
+    host = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, "dflash_job_name": name,
+            "dflash_job_backend": "daemon", "dflash_job_source_dir": str(repo), "dflash_job_base_config": "fake.yaml",
+            "dflash_job_venv": str(tmp_path / "venv"), "dflash_job_user": "root", "dflash_job_root": str(tmp_path / "opt"),
+            "dflash_job_config_path": str(tmp_path / "etc" / "job.yaml"), "dflash_job_log_path": str(tmp_path / "log" / "job.log"),
+            "dflash_job_env_file": str(tmp_path / "etc" / "job.env"), "dflash_job_validate_config": False,
+            "dflash_job_stop_timeout": 2, "dflash_job_health_timeout": 5}  # fmt: skip
+    (tmp_path / "hosts.yml").write_text(json.dumps({"all": {"children": {"dflash_containers": {"hosts": {"here": host}}}}}))
+
+    def deploy(run_dir, key):
+        return {"name": f"Deploy into {key}", "block": [
+            {"name": "Deploy", "ansible.builtin.include_role": {"name": "job"}, "vars": {"dflash_job_run_dir": run_dir}}],
+            "rescue": [{"name": "Keep the failure", "ansible.builtin.set_fact": {key: (
+                "{{ (ansible_failed_result.results | default([ansible_failed_result]))"
+                " | map(attribute='msg', default='') | select | join('; ') }}")}}]}
+
+    play = [{"name": "Deploy", "hosts": "dflash_containers", "gather_facts": False, "tasks": [
+        deploy(str(home / "run"), "run_link"), deploy(str(home / "runs" / "job"), "parent_link"),
+        {"name": "Dump", "ansible.builtin.copy": {"dest": str(tmp_path / "results.json"), "mode": "0644",
+                                                   "content": "{{ {'run_link': run_link | default(none), 'parent_link': parent_link | default(none)} | to_json }}"}},
+    ]}]  # fmt: skip
+    (tmp_path / "play.yml").write_text(json.dumps(play))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}  # fmt: skip
+    try:
+        proc = subprocess.run([tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    finally:  # the old code went on and launched a job: never leave it running
+        spec = {"name": name, "state_dir": f"/var/lib/dflash-units/{name}", "stop_timeout": 1}
+        DaemonBackend(LocalHost()).stop(spec)
+        subprocess.run(["rm", "-rf", spec["state_dir"]], check=False)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for which, key, link in (("run", "run_link", home / "run"), ("parent", "parent_link", home / "runs")):
+        st, entries = before[which]
+        after = os.stat(targets[which])
+        assert (after.st_uid, after.st_gid, stat.S_IMODE(after.st_mode)) == (st.st_uid, st.st_gid, 0o700), which
+        assert sorted(os.listdir(targets[which])) == entries, which
+        assert os.stat(targets[which] / "job").st_mode & 0o777 == 0o700
+        message = results[key] or ""
+        assert f"{link} is a symbolic link owned by uid 4242" in message and "root does not follow it" in message, message
