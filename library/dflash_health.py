@@ -26,7 +26,8 @@ description:
   - A heartbeat of an earlier launch is never evidence; the job reads as C(starting) until this launch writes one.
   - A heartbeat with status C(finished) and a unit that exited 0 count as healthy (RV(finished)).
   - RV(state) names what the job is doing - C(training), C(finished), C(starting), C(hung), C(crashed),
-    C(failed-to-start) or C(stopped); RV(ok) is false for C(hung), C(crashed) and C(failed-to-start).
+    C(failed-to-start), C(stopped) or C(lost); RV(ok) is false for C(hung), C(crashed), C(failed-to-start) and
+    C(lost).
   - A dead unit or a missing nvidia-smi ends the wait at once; any other failure that lasts O(progress_window) too.
   - "On failure the message is a diagnosis: the failed invariants and why (for example
     C(no progress: heartbeat step stayed at 12 for 60s), C(unit failed: exit status 2)), the unit state and exit
@@ -135,15 +136,16 @@ state:
   description: >-
     The job's state - training, finished, starting (a launch within its progress window), hung (running, no progress
     for a window), crashed (exited non-zero after steps of this launch), failed-to-start (exited non-zero before its
-    first step), stopped (exited 0 without finishing, or never started).
+    first step), stopped (exited 0 without finishing, or never started), lost (meant to run, but the container
+    restarted under it and this boot did not launch it again - systemd backend).
   returned: always
   type: str
 ok:
-  description: The state is training, finished, starting or stopped (what a status command exits 0 for).
+  description: The state is training, finished, starting or stopped (what a status command exits 0 for); not lost.
   returned: always
   type: bool
 hint:
-  description: What to run for a hung job (the restart command), else null.
+  description: What to run for a hung job (the restart command) or a lost one (the relaunch), else null.
   returned: always
   type: str
 unit_pids:

@@ -13,12 +13,14 @@ description:
   - The C(systemd) backend launches C(systemd-run --unit NAME -p Type=exec -p KillMode=mixed -p TimeoutStopSec=N
     -p StandardOutput=append:LOG -p StandardError=append:LOG -p Restart=on-failure -p RestartSec= -p StartLimitBurst=
     -p StartLimitIntervalSec= -p RestartPreventExitStatus=2 [-p WatchdogSec= -p NotifyAccess=main] [-p OnFailure=]
-    -p ExecStopPost=+... [-p EnvironmentFile=] -p EnvironmentFile=STATE_DIR/environment [-p WorkingDirectory=]
-    [-p User=] -- COMMAND). Without C(--collect), so a failed unit and its exit status remain;
-    C(systemctl reset-failed) runs before a relaunch. A fixed C(ExecStopPost=+) script, given the state directory as
-    its argument, records every end (C(exit_status), one line per end in C(events) for the restart and watchdog counts,
-    and the reason the failure hook reports), so the status of a unit that ended cleanly (which systemd unloads) is
-    kept too.
+    [-p EnvironmentFile=] -p EnvironmentFile=STATE_DIR/environment [-p WorkingDirectory=] [-p User=] -- COMMAND).
+    Without C(--collect), so a failed unit and its exit status remain; C(systemctl reset-failed) runs before a
+    relaunch. A fixed C(ExecStopPost=-+) script, given the state directory as its argument, records every end
+    (C(exit_status), one line per end in C(events) for the restart and watchdog counts, and the reason the failure hook
+    reports), so the status of a unit that ended cleanly (which systemd unloads) is kept too. It is a drop-in,
+    C(/run/systemd/system/NAME.service.d/50-dflash-record.conf), written before the launch and read by a
+    C(daemon-reload) - systemd 252 loses a transient unit's own C(ExecStopPost=+) at the next reload, a drop-in it
+    reads again.
   - Self-healing. After a failure the unit restarts by itself (O(restart)) after O(restart_delay) seconds, at most
     O(restart_burst) starts within O(restart_interval) seconds; exit 2 (bad input) is never restarted. With
     O(watchdog) the trainer must ping (sd_notify C(WATCHDOG=1), dflash/notify.py) at least that often once it trains,
@@ -26,6 +28,15 @@ description:
     exhausted the unit stays C(failed), O(on_failure) runs (a unit C(NAME-on-failure.service) with C(DFLASH_JOB) and
     C(DFLASH_REASON)), and O(state=started) with an unchanged configuration fails with the crash loop's diagnosis
     instead of relaunching it.
+  - Durable (systemd backend). Each launch records its exact C(systemd-run) argument list, copies of the recorder
+    drop-in and the hook unit, and the desired state C(running) in O(state_dir), and enables
+    C(/etc/systemd/system/dflash-boot-NAME.service), which at the next boot of the container runs that launch again
+    (the trainer resumes from its checkpoint) and marks it in C(/run/dflash-units/NAME.launched). O(state=stopped)
+    records C(stopped) first, so the job stays stopped across restarts; O(state=absent) removes the boot unit. A job
+    meant to run that is not running and was not launched in this boot is RV(lost). A running job with unchanged
+    inputs launched by an earlier release gets these files without a restart.
+  - The failure hook's unit C(/run/systemd/system/NAME-on-failure.service) holds the hook's arguments - mode 0600,
+    root's (systemd reads it as root).
   - Nothing of O(environment) is on a command line or in the module's output (C(no_log)); it is written, escaped,
     to a root-only file in O(state_dir). O(state_dir) and its parents must be root's alone.
   - The C(daemon) backend, for hosts without systemd, double-forks into a new session, redirects stdout/stderr
@@ -52,8 +63,9 @@ options:
     description:
       - V(started) - running with the current configuration (restart sequence if the hash changed or it is not running).
       - V(restarted) - always run the restart sequence.
-      - V(stopped) - stop it (and wait for the GPUs to release); keep its state and exit status.
-      - V(absent) - stop it, reset a failed systemd unit, delete O(state_dir).
+      - V(stopped) - stop it (and wait for the GPUs to release); keep its state and exit status; record that it was
+        stopped on purpose (not relaunched at boot, not RV(lost)).
+      - V(absent) - stop it, reset a failed systemd unit, remove its boot relaunch unit, delete O(state_dir).
     type: str
     choices: [started, restarted, stopped, absent]
     default: started
@@ -244,6 +256,14 @@ last_exit_reason:
   description: How the job last failed, e.g. C(signal (killed KILL)), C(watchdog (killed ABRT)), or null.
   returned: always
   type: str
+desired:
+  description: The desired state recorded in O(state_dir) - C(running) (relaunched at boot), C(stopped), or null.
+  returned: always
+  type: str
+lost:
+  description: The job is meant to run, is not running and was not launched in this boot of the container (systemd).
+  returned: always
+  type: bool
 """
 
 import os

@@ -26,8 +26,10 @@ started) is never evidence: the job reads as ``starting`` until this launch writ
 The job's state: ``training``, ``finished``, ``starting`` (within the progress window of a launch),
 ``hung`` (running without progress for a window), ``crashed`` (exited non-zero after training
 steps of this launch), ``failed-to-start`` (exited non-zero before its first step), ``stopped``
-(exited 0 or by SIGTERM without finishing: a stop on purpose, or never started). A stop that
-needed SIGKILL after the stop timeout (137) reads as ``crashed``.
+(exited 0 or by SIGTERM without finishing: a stop on purpose, or never started), ``lost`` (meant to
+run, but the container or node restarted under it and this boot did not launch it again: the boot
+relaunch failed or did not run; whatever its last exit was). A stop that needed SIGKILL after the
+stop timeout (137) reads as ``crashed``.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ from ansible.module_utils.dflash_unit_procs import pid_alive, proc_stat_fields
 from ansible.module_utils.dflash_unit_records import is_running
 
 INVARIANTS = ("log", "unit", "gpu", "progress", "joined")
-TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED = (
-    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped")
+TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST = (
+    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped", "lost")
 # States a script may treat as fine (exit 0 of status): healthy, or not running on purpose.
 OK_STATES = (TRAINING, FINISHED, STARTING, STOPPED)
 RESTART_HINT = "restart it with -e dflash_job_state=restarted (ansible-playbook playbooks/train.yml or deploy.yml)"
+LOST_HINT = ("relaunch it with ansible-playbook playbooks/train.yml (or deploy.yml); why the boot relaunch failed: "
+             "journalctl -u dflash-boot-{name}.service in the container")
 # A heartbeat's time may precede the unit's start by clock granularity only.
 LAUNCH_SLACK_S = 2.0
 
@@ -248,7 +252,11 @@ class HealthTracker:
         if finished:
             pass
         elif not running:
-            if unit.get("exit_status") is not None:
+            if unit.get("lost"):
+                reason = ("lost: the container (or its node) restarted under the job and it was not launched again in "
+                          "this boot (the boot relaunch failed or did not run)"
+                          + (f"; its last exit status {unit['exit_status']}" if unit.get("exit_status") is not None else ""))
+            elif unit.get("exit_status") is not None:
                 reason = f"unit {unit['active_state']}: exit status {unit['exit_status']}"
             elif unit.get("load_state") == "not-found":
                 reason = "unit not found: it was never started, or it exited and was unloaded"
@@ -380,6 +388,9 @@ class HealthTracker:
             if hb and hb.get("status") == "failed":
                 return CRASHED
             return HUNG if any(f["final"] for f in failures) else STARTING
+        if unit.get("lost"):
+            # Never `stopped`: the shutdown's SIGTERM looks like a stop on purpose, but the job was meant to run.
+            return LOST
         exit_status = unit.get("exit_status")
         # SIGTERM (143) is a stop: systemd counts it a success (Result=success) as well.
         if exit_status in (0, None, 143) or unit.get("result") == "success" or (hb and hb.get("status") == "stopped"):
@@ -402,6 +413,8 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
         lines.append(f"  - {failure['invariant']}: {failure['reason']}")
     if state == HUNG:
         lines.append(f"the job is hung: {RESTART_HINT}")
+    if state == LOST:
+        lines.append("the job is lost: " + LOST_HINT.format(name=name))
     lines.append(
         f"unit: backend={unit.get('backend', '?')} active_state={unit.get('active_state')} sub_state={unit.get('sub_state')} "
         f"main_pid={unit.get('main_pid') or '-'} exit_status={'-' if unit.get('exit_status') is None else unit['exit_status']}"
@@ -483,7 +496,7 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         "failed_invariants": [f["invariant"] for f in failures],
         "failures": [{"invariant": f["invariant"], "reason": f["reason"]} for f in failures],
         "diagnosis": diagnosis,
-        "hint": RESTART_HINT if state == HUNG else None,
+        "hint": RESTART_HINT if state == HUNG else LOST_HINT.format(name=params["name"]) if state == LOST else None,
         "unit": obs["unit"],
         "unit_pids": obs.get("unit_pids", []),
         "step": hb.get("step"),

@@ -17,7 +17,7 @@ import shutil
 from ansible.module_utils.dflash_gpu import GpuQueryError, gpus_above, query_gpus
 from ansible.module_utils.dflash_host import read_text, tail_lines
 from ansible.module_utils.dflash_unit_daemon import DaemonBackend
-from ansible.module_utils.dflash_unit_records import is_running
+from ansible.module_utils.dflash_unit_records import RUNNING, STOPPED, is_running, read_desired, write_desired
 from ansible.module_utils.dflash_unit_spec import UnitError, check_spec, plan_action
 from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
@@ -104,8 +104,13 @@ def ensure(spec, state, backend, host, check_mode=False):
     if state == "started" and status.get("crash_loop") and current_hash == previous_hash:
         raise UnitError(crash_loop_message(spec, status))
     action = plan_action(state, running, backend.present(spec, status), current_hash, previous_hash)
+    state_dir = spec["state_dir"]
+    # Recorded for the boot relaunch and for status (stopped on purpose, or lost to a restart).
+    desired = {"started": RUNNING, "restarted": RUNNING, "stopped": STOPPED}.get(state)
+    desired_changed = bool(desired and action != "removed" and desired != read_desired(state_dir)
+                           and (os.path.isdir(state_dir) or action in ("started", "restarted")))
     result = {
-        "changed": action != "none",
+        "changed": action != "none" or desired_changed,
         "action": action,
         "backend": backend.name,
         "config_hash": current_hash,
@@ -129,6 +134,7 @@ def ensure(spec, state, backend, host, check_mode=False):
                     "job holds them (see nvidia-smi) - end it, or raise gpu_release_timeout"
                 )
             backend.start(spec)
+            write_desired(host, state_dir, RUNNING)
             host.atomic_write(hash_file, current_hash + "\n")
             if spec.get("launch") is not None:
                 host.atomic_write(os.path.join(spec["state_dir"], LAUNCH_FILE), json.dumps(spec["launch"]) + "\n",
@@ -136,6 +142,8 @@ def ensure(spec, state, backend, host, check_mode=False):
             # Let an immediate crash show up in the returned state.
             host.sleep(spec.get("settle_time", 1.0))
         elif action == "stopped":
+            # First: a shutdown during the stop must not bring it back at the next boot.
+            write_desired(host, state_dir, STOPPED)
             backend.stop(spec)
             result["gpu_release"] = wait_for_gpu_release(
                 host, spec.get("gpu_ids"), spec.get("gpu_release_threshold_mib", GPU_RELEASE_THRESHOLD_MIB),
@@ -146,6 +154,12 @@ def ensure(spec, state, backend, host, check_mode=False):
             backend.remove(spec)
             if os.path.isdir(spec["state_dir"]):
                 shutil.rmtree(spec["state_dir"])
+    elif action == "none" and state == "started" and hasattr(backend, "adopt"):
+        # Running with this launch already: make sure it is durable (a job launched by an earlier release gets its
+        # exit recorder drop-in and boot relaunch without a restart).
+        result["changed"] |= backend.adopt(spec, dry_run=check_mode)
+    if action == "none" and desired_changed and not check_mode:
+        write_desired(host, state_dir, desired)
     after = backend.status(spec) if not check_mode else status
     result.update(
         active_state=after["active_state"],
@@ -155,5 +169,7 @@ def ensure(spec, state, backend, host, check_mode=False):
         restarts=after.get("restarts") or 0,
         watchdog_kills=after.get("watchdog_kills") or 0,
         last_exit_reason=after.get("last_exit_reason"),
+        desired=read_desired(state_dir) if not check_mode else (desired or read_desired(state_dir)),
+        lost=bool(after.get("lost")),
     )
     return result

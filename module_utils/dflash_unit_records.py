@@ -14,6 +14,10 @@ from ansible.module_utils.dflash_host import read_text
 from ansible.module_utils.dflash_unit_spec import DEFAULT_STATE_ROOT, UnitError
 
 RUNNING_STATES = ("active", "activating", "deactivating", "reloading")
+# The job's desired state, recorded in its state directory at every launch and stop (`desired`): a job stopped on
+# purpose stays stopped across a restart of its container; one meant to run is launched again at boot.
+RUNNING, STOPPED = "running", "stopped"
+DESIRED_FILE = "desired"
 
 
 def check_root_owned(path):
@@ -102,6 +106,18 @@ def read_exit_status(state_dir):
 def write_exit_status(host, state_dir, value):
     os.makedirs(state_dir, exist_ok=True)
     host.atomic_write(os.path.join(state_dir, "exit_status"), f"{int(value)}\n")
+
+
+def read_desired(state_dir):
+    """``running``, ``stopped``, or None (never recorded: a job of an earlier release, or none)."""
+    value = (read_text(os.path.join(state_dir, DESIRED_FILE), "") or "").strip()
+    return value if value in (RUNNING, STOPPED) else None
+
+
+def write_desired(host, state_dir, value):
+    if value not in (RUNNING, STOPPED):
+        raise UnitError(f"desired state {value!r} is not one of {RUNNING}, {STOPPED}")
+    host.atomic_write(os.path.join(state_dir, DESIRED_FILE), value + "\n", mode=0o600)
 
 
 def read_events(state_dir):

@@ -1,17 +1,29 @@
 # Copyright: dflash authors
 # Apache-2.0
-"""The systemd backend: the job as a transient unit (systemd-run), its failure hook unit, its state from systemctl.
+"""The systemd backend: the job as a transient unit (systemd-run), its exit recorder (a drop-in), its failure hook
+unit, its boot relaunch unit, its state from systemctl.
+
+Durable jobs: every launch records the exact systemd-run argument list in the root-only state directory
+(``launch.argv``) with copies of the recorder drop-in and the hook unit, and enables a persistent unit
+``dflash-boot-NAME.service`` that, at the container's next boot, runs that launch again when the desired state
+recorded there is ``running``. A per-boot marker in /run (a tmpfs, empty after every boot of the container) says
+that this boot launched the job; a job meant to run, not running and without the marker was lost to a restart.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 
+from ansible.module_utils.dflash_host import read_text
 from ansible.module_utils.dflash_unit_records import (
+    RUNNING,
     add_restart_facts,
     empty_status,
     is_running,
     make_state_dir,
+    read_desired,
     read_exit_status,
     remove_files,
     write_exit_status,
@@ -37,7 +49,48 @@ RECORD_EXIT_SCRIPT = (
 )
 
 
+# Runtime units and drop-ins (a tmpfs: gone after a reboot of the container, written again by the boot unit).
 HOOK_UNIT_DIR = "/run/systemd/system"
+# Persistent units: the boot relaunch unit.
+BOOT_UNIT_DIR = "/etc/systemd/system"
+# One file per job launched in this boot of the container.
+BOOT_MARKER_DIR = "/run/dflash-units"
+RECORD_DROPIN = "50-dflash-record.conf"
+# What the state directory keeps for the boot relaunch.
+LAUNCH_ARGV_FILE = "launch.argv"
+RECORD_COPY_FILE = "record.conf"
+HOOK_COPY_FILE = "on-failure.service"
+RELAUNCH_SCRIPT_FILE = "relaunch"
+
+# Run at boot by dflash-boot-NAME.service as root, with the state directory, the job's name, the runtime unit
+# directory and the boot marker directory: unless the job was stopped on purpose, restore the runtime files of its
+# unit (the exit recorder, the failure hook) and run its last launch again (the systemd-run arguments recorded,
+# NUL-separated); the marker of this boot only once it started. A fixed script: the variable parts are arguments.
+RELAUNCH_SCRIPT = """#!/bin/sh
+# Written by dflash_unit: at boot, launch the job again from its last deployed launch.
+set -eu
+state=$1
+name=$2
+units=$3
+markers=$4
+desired=$(cat "$state/desired" 2>/dev/null || true)
+if [ "$desired" != running ]; then
+    echo "dflash job $name: desired state '$desired', not relaunched"
+    exit 0
+fi
+mkdir -p "$units/$name.service.d"
+install -m 0644 "$state/record.conf" "$units/$name.service.d/50-dflash-record.conf"
+if [ -f "$state/on-failure.service" ]; then
+    install -m 0600 "$state/on-failure.service" "$units/$name-on-failure.service"
+fi
+systemctl daemon-reload
+systemctl reset-failed "$name.service" 2>/dev/null || true
+rm -f "$state/exit_status" "$state/events" "$state/reason.env"
+xargs -0 -x -a "$state/launch.argv" env --
+mkdir -p -m 0755 "$markers"
+date +%s > "$markers/$name.launched"
+echo "dflash job $name: relaunched from its last deployed launch"
+"""
 
 
 # Bad input (exit 2) does not fix itself: never restarted.
@@ -89,6 +142,51 @@ def hook_unit_name(name):
     return f"{name}-on-failure.service"
 
 
+def boot_unit_name(name):
+    return f"dflash-boot-{name}.service"
+
+
+def record_dropin_text(spec):
+    """The drop-in that records every end of the job. A drop-in, not a property of the transient unit: systemd 252
+    writes a transient unit's ``ExecStopPost=+...`` back as ``ExecStopPostEx=``, which it does not read, so a
+    ``daemon-reload`` would drop the recorder; drop-ins of /run/systemd/system are read again at every reload.
+    ``-``: a failed recorder never turns a clean end into a failure."""
+    script = RECORD_EXIT_SCRIPT.replace("%", "%%")
+    return (
+        "# Written by dflash_unit: records every end of " + unit_name(spec["name"]) + "\n"
+        "[Service]\n"
+        f"ExecStopPost=-+/bin/sh -c {systemd_quote(script)} {systemd_quote(spec['state_dir'])}\n"
+    )
+
+
+def boot_unit_text(spec, runtime_unit_dir=HOOK_UNIT_DIR, marker_dir=BOOT_MARKER_DIR):
+    """The persistent unit that launches the job again at boot (when its desired state is running)."""
+    state_dir = spec["state_dir"]
+    return (
+        "# Written by dflash_unit: relaunches " + unit_name(spec["name"]) + " at boot unless it was stopped on purpose\n"
+        "[Unit]\n"
+        f"Description=dflash job {spec['name']}: launch it again after a boot\n"
+        "Wants=network-online.target\n"
+        "After=network-online.target local-fs.target\n"
+        f"ConditionPathExists={os.path.join(state_dir, LAUNCH_ARGV_FILE)}\n"
+        "[Service]\n"
+        "Type=oneshot\n"
+        f"ExecStart=/bin/sh {systemd_quote(os.path.join(state_dir, RELAUNCH_SCRIPT_FILE))} "
+        f"{systemd_quote(state_dir)} {systemd_quote(spec['name'])} {systemd_quote(runtime_unit_dir)} "
+        f"{systemd_quote(marker_dir)}\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def argv_file_text(args):
+    """An argument list as NUL-terminated words (read back by ``xargs -0``)."""
+    for word in args:
+        if "\0" in word:
+            raise UnitError("a launch argument holds a NUL byte")
+    return "".join(word + "\0" for word in args)
+
+
 def restart_properties(spec):
     restart = spec.get("restart") or {}
     if restart.get("policy", "no") == "no":
@@ -106,7 +204,8 @@ def systemd_run_args(spec, systemd_run="systemd-run"):
     """The systemd-run command line for ``spec`` (no --collect: a failed unit keeps its exit status).
 
     Nothing secret and nothing a shell reads: the environment goes through a root-only file in the state
-    directory, ``$`` in the command is escaped (systemd would expand it), the exit is recorded by a fixed script."""
+    directory, ``$`` in the command is escaped (systemd would expand it), the exit is recorded by a fixed script
+    in a drop-in (record_dropin_text)."""
     state_dir = spec["state_dir"]
     args = [
         systemd_run,
@@ -127,7 +226,7 @@ def systemd_run_args(spec, systemd_run="systemd-run"):
         args += ["-p", f"WatchdogSec={start}s", "-p", "NotifyAccess=main"]
     if spec.get("on_failure"):
         args += ["-p", "OnFailure=" + hook_unit_name(spec["name"])]
-    args += ["-p", f"ExecStopPost=+/bin/sh -c {systemd_quote(RECORD_EXIT_SCRIPT)} {systemd_quote(state_dir)}"]
+    # The exit recorder is a drop-in (record_dropin_text): it survives a daemon-reload.
     if spec.get("environment_file"):
         args += ["-p", "EnvironmentFile=" + spec["environment_file"]]
     # Read after the user's file: it overrides it.
@@ -159,6 +258,25 @@ def hook_unit_text(spec):
     )
 
 
+def write_file(path, text, mode):
+    """Replace ``path`` atomically by a file of ``mode`` that never had a wider one (the hook unit holds the hook's
+    arguments: root's alone, systemd reads it as root)."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".dflash-", dir=directory)  # created 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.fchmod(handle.fileno(), mode)
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def wait_until(host, probe, done, timeout, interval=0.5):
     deadline = host.now() + timeout
     value = probe()
@@ -170,12 +288,31 @@ def wait_until(host, probe, done, timeout, interval=0.5):
 
 class SystemdBackend:
     name = "systemd"
+    # Where the runtime units and drop-ins, the boot unit and the per-boot markers go (tests point them elsewhere).
+    runtime_unit_dir = HOOK_UNIT_DIR
+    boot_unit_dir = BOOT_UNIT_DIR
+    marker_dir = BOOT_MARKER_DIR
 
     def __init__(self, host):
         self.host = host
 
     def _systemctl(self, *args):
         return self.host.run(["systemctl", *args])
+
+    def marker_path(self, spec):
+        return os.path.join(self.marker_dir, spec["name"] + ".launched")
+
+    def dropin_path(self, spec):
+        return os.path.join(self.runtime_unit_dir, unit_name(spec["name"]) + ".d", RECORD_DROPIN)
+
+    def hook_path(self, spec):
+        return os.path.join(self.runtime_unit_dir, hook_unit_name(spec["name"]))
+
+    def boot_unit_path(self, spec):
+        return os.path.join(self.boot_unit_dir, boot_unit_name(spec["name"]))
+
+    def boot_wants_path(self, spec):
+        return os.path.join(self.boot_unit_dir, "multi-user.target.wants", boot_unit_name(spec["name"]))
 
     def status(self, spec):
         rc, out, err = self._systemctl("show", unit_name(spec["name"]), "--property=" + ",".join(SHOW_PROPERTIES))
@@ -185,10 +322,94 @@ class SystemdBackend:
         if status["exit_status"] is None and not is_running(status):
             # A transient unit that exited 0 is unloaded by systemd; ExecStopPost recorded its status.
             status["exit_status"] = read_exit_status(spec["state_dir"])
-        return add_restart_facts(status, spec["state_dir"])
+        status = add_restart_facts(status, spec["state_dir"])
+        # Lost: meant to run, not running, and not launched in this boot of the container (the boot relaunch
+        # failed or did not run): the container or node restarted under it.
+        status["desired"] = read_desired(spec["state_dir"])
+        status["launched_this_boot"] = os.path.exists(self.marker_path(spec))
+        status["lost"] = bool(status["desired"] == RUNNING and not status["launched_this_boot"] and not is_running(status))
+        return status
 
     def present(self, spec, status):
         return status["load_state"] != "not-found" or os.path.isdir(spec["state_dir"])
+
+    def _write_if_changed(self, path, text, mode, dry_run):
+        """Write ``text`` to ``path`` (mode ``mode``) unless it holds exactly that; True when it did (or would)."""
+        try:
+            st = os.lstat(path)
+            same = (read_text(path) == text and st.st_mode & 0o7777 == mode and st.st_uid == os.getuid())
+        except OSError:
+            same = False
+        if same:
+            return False
+        if not dry_run:
+            write_file(path, text, mode)
+        return True
+
+    def _runtime_files(self, spec):
+        """The job's files under /run/systemd/system: the exit recorder drop-in, the failure hook (or None)."""
+        hook = hook_unit_text(spec) if spec.get("on_failure") else None
+        return {self.dropin_path(spec): (record_dropin_text(spec), 0o644), self.hook_path(spec): (hook, 0o600)}
+
+    def _write_runtime_files(self, spec, dry_run=False):
+        changed = False
+        for path, (text, mode) in self._runtime_files(spec).items():
+            if text is not None:
+                changed |= self._write_if_changed(path, text, mode, dry_run)
+            elif os.path.lexists(path):
+                changed = True
+                if not dry_run:
+                    os.unlink(path)
+        return changed
+
+    def persist(self, spec, dry_run=False):
+        """Record the launch for the boot relaunch (argument list, copies of the runtime files, the relaunch script)
+        and enable dflash-boot-NAME.service. True when anything was (or, with ``dry_run``, would be) changed."""
+        state_dir = spec["state_dir"]
+        if not dry_run:
+            make_state_dir(state_dir)
+        hook = hook_unit_text(spec) if spec.get("on_failure") else None
+        files = {
+            os.path.join(state_dir, LAUNCH_ARGV_FILE): (argv_file_text(systemd_run_args(spec)), 0o600),
+            os.path.join(state_dir, RECORD_COPY_FILE): (record_dropin_text(spec), 0o600),
+            os.path.join(state_dir, RELAUNCH_SCRIPT_FILE): (RELAUNCH_SCRIPT, 0o700),
+            self.boot_unit_path(spec): (boot_unit_text(spec, self.runtime_unit_dir, self.marker_dir), 0o644),
+        }
+        changed = False
+        for path, (text, mode) in files.items():
+            changed |= self._write_if_changed(path, text, mode, dry_run)
+        hook_copy = os.path.join(state_dir, HOOK_COPY_FILE)
+        if hook is not None:
+            changed |= self._write_if_changed(hook_copy, hook, 0o600, dry_run)
+        elif os.path.lexists(hook_copy):
+            changed = True
+            if not dry_run:
+                os.unlink(hook_copy)
+        # What `systemctl enable` does for WantedBy=multi-user.target (systemd reads it at the next boot).
+        wants = self.boot_wants_path(spec)
+        if os.path.realpath(wants) != os.path.realpath(self.boot_unit_path(spec)) or not os.path.lexists(wants):
+            changed = True
+            if not dry_run:
+                os.makedirs(os.path.dirname(wants), exist_ok=True)
+                if os.path.lexists(wants):
+                    os.unlink(wants)
+                os.symlink(self.boot_unit_path(spec), wants)
+        return changed
+
+    def adopt(self, spec, dry_run=False):
+        """A job running already (launched by an earlier release, or before the boot marker existed): give it the
+        exit recorder drop-in and the boot relaunch without restarting it. True when anything changed."""
+        changed = self._write_runtime_files(spec, dry_run)
+        changed |= self.persist(spec, dry_run)
+        if not dry_run:
+            if changed:
+                self._systemctl("daemon-reload")
+            self._mark_launched(spec)
+        return changed
+
+    def _mark_launched(self, spec):
+        os.makedirs(self.marker_dir, mode=0o755, exist_ok=True)
+        write_file(self.marker_path(spec), f"{int(time.time())}\n", 0o644)
 
     def start(self, spec):
         # systemd opens the log (append:) but does not create its directory.
@@ -199,14 +420,10 @@ class SystemdBackend:
         make_state_dir(state_dir)
         remove_files(state_dir, ("exit_status", "events", "reason.env"))
         self.host.atomic_write(os.path.join(state_dir, "environment"), environment_file_text(unit_environment(spec)), mode=0o600)
-        hook = os.path.join(HOOK_UNIT_DIR, hook_unit_name(spec["name"]))
-        if spec.get("on_failure"):
-            os.makedirs(HOOK_UNIT_DIR, exist_ok=True)
-            self.host.atomic_write(hook, hook_unit_text(spec), mode=0o644)
-            self._systemctl("daemon-reload")
-        elif os.path.exists(hook):
-            os.unlink(hook)
-            self._systemctl("daemon-reload")
+        # The recorder drop-in and the hook are read from disk: a reload makes systemd see new ones.
+        self._write_runtime_files(spec)
+        self.persist(spec)
+        self._systemctl("daemon-reload")
         # A failed unit of the same name would block the new one (and keep its start-limit count).
         self._systemctl("reset-failed", unit_name(spec["name"]))
         rc, out, err = self.host.run(systemd_run_args(spec))
@@ -214,6 +431,7 @@ class SystemdBackend:
             raise UnitError(
                 f"systemd-run could not start {unit_name(spec['name'])} (exit {rc}): {err.strip() or out.strip()}"
             )
+        self._mark_launched(spec)
 
     def stop(self, spec):
         before = self.status(spec)
@@ -235,7 +453,14 @@ class SystemdBackend:
 
     def remove(self, spec):
         self._systemctl("reset-failed", unit_name(spec["name"]))
-        hook = os.path.join(HOOK_UNIT_DIR, hook_unit_name(spec["name"]))
-        if os.path.exists(hook):
-            os.unlink(hook)
+        paths = [self.hook_path(spec), self.dropin_path(spec), self.boot_wants_path(spec), self.boot_unit_path(spec),
+                 self.marker_path(spec)]
+        removed = [path for path in paths if os.path.lexists(path)]
+        for path in removed:
+            os.unlink(path)
+        try:
+            os.rmdir(os.path.dirname(self.dropin_path(spec)))
+        except OSError:
+            pass  # absent, or holds drop-ins of someone else's
+        if removed:
             self._systemctl("daemon-reload")

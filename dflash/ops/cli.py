@@ -25,6 +25,7 @@ from dflash.ops.results import (
     FAILED_TO_START,
     FINISHED,
     HUNG,
+    LOST,
     OK_STATES,
     STARTING,
     TRAINING,
@@ -60,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "status":
             s.add_argument("--require-training", action="store_true",
                            help="exit 1 unless every job is training (or finished), also when one is starting or "
-                                "stopped; without it, status exits 1 only for a hung, crashed or failed-to-start job")
+                                "stopped; without it, status exits 1 only for a hung, crashed, failed-to-start or lost job")
         if name == "logs":
             s.add_argument("-n", "--lines", type=int, default=40, help="lines per job (default 40)")
             s.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
@@ -111,7 +112,7 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 
 _STATE_STYLE = {TRAINING: "green", FINISHED: "green", STARTING: "yellow", UNHEALTHY: "yellow", HUNG: "red", CRASHED: "red",
-                FAILED_TO_START: "red", FAILED: "red", UNREACHABLE: "red"}
+                FAILED_TO_START: "red", FAILED: "red", UNREACHABLE: "red", LOST: "red"}
 
 
 def render(result: OpsResult, console: Console, show_logs: bool) -> None:

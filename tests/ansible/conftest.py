@@ -94,3 +94,17 @@ class FakeHost:
 @pytest.fixture
 def fake_host():
     return FakeHost
+
+
+@pytest.fixture(autouse=True)
+def systemd_dirs(tmp_path_factory, monkeypatch):
+    """Where the systemd backend writes its units, drop-ins and boot markers in a test: never the host's
+    /etc/systemd/system, /run/systemd/system or /run/dflash-units."""
+    from ansible.module_utils.dflash_unit_systemd import SystemdBackend
+
+    root = tmp_path_factory.mktemp("systemd")
+    dirs = {"runtime_unit_dir": root / "run-systemd-system", "boot_unit_dir": root / "etc-systemd-system",
+            "marker_dir": root / "run-dflash-units"}
+    for attribute, path in dirs.items():
+        monkeypatch.setattr(SystemdBackend, attribute, str(path))
+    return dirs

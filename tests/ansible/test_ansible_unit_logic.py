@@ -8,6 +8,7 @@ from ansible.module_utils.dflash_unit_spec import UnitError, config_hash, parse_
 from ansible.module_utils.dflash_unit_systemd import (
     RECORD_EXIT_SCRIPT,
     parse_systemctl_show,
+    record_dropin_text,
     systemd_run_args,
 )
 
@@ -85,13 +86,19 @@ def test_systemd_run_command_line():
         "-p", "RestartPreventExitStatus=2",
         "-p", "WatchdogSec=900s", "-p", "NotifyAccess=main",
         "-p", "OnFailure=dflash-train-on-failure.service",
-        "-p", 'ExecStopPost=+/bin/sh -c "' + RECORD_EXIT_SCRIPT.replace('"', '\\"') + '" "/var/lib/dflash-units/dflash-train"',
         "-p", "EnvironmentFile=/etc/dflash/j.env",
         "-p", "EnvironmentFile=/var/lib/dflash-units/dflash-train/environment",
         "-p", "WorkingDirectory=/var/lib/dflash/runs/j", "-p", "User=dflash",
         "--", "/v/bin/python", "-m", "dflash", "train", "/etc/dflash/c.yaml",
     ]  # fmt: skip
     assert "--collect" not in systemd_run_args(spec)
+    # the exit recorder is a drop-in, not a property of the transient unit (systemd 252 loses that at a reload)
+    assert not any(word.startswith("ExecStopPost") for word in systemd_run_args(spec))
+    assert record_dropin_text(spec).splitlines()[1:] == [
+        "[Service]",
+        'ExecStopPost=-+/bin/sh -c "' + RECORD_EXIT_SCRIPT.replace("%", "%%").replace('"', '\\"')
+        + '" "/var/lib/dflash-units/dflash-train"',
+    ]
     # no environment value on the command line (it is world-readable in /proc)
     assert not any("b c" in word or "/opt/dflash/current" in word for word in systemd_run_args(spec))
 
@@ -195,6 +202,7 @@ def test_restart_sequence_order_and_hash_update(tmp_path, fake_host):
 def test_same_hash_and_running_is_no_change(tmp_path, fake_host):
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "config_hash").write_text("new\n")
+    (tmp_path / "state" / "desired").write_text("running\n")
     log = []
     result = ensure(_spec(tmp_path), "started", RecordingBackend(True, log), fake_host())
     assert (result["action"], result["changed"], log) == ("none", False, [])
@@ -242,8 +250,9 @@ def test_systemd_start_resets_a_failed_unit_then_runs(tmp_path, fake_host):
     backend = SystemdBackend(host)
     assert backend.status(_systemd_spec(tmp_path))["exit_status"] == 2
     backend.start(_systemd_spec(tmp_path))
-    assert host.calls[1] == ["systemctl", "reset-failed", "dflash-train.service"]
-    assert host.calls[2][:2] == ["systemd-run", "--unit=dflash-train.service"]
+    # the recorder drop-in is on disk before the reload that makes systemd see it, then the failed unit is reset
+    assert host.calls[1:3] == [["systemctl", "daemon-reload"], ["systemctl", "reset-failed", "dflash-train.service"]]
+    assert host.calls[3][:2] == ["systemd-run", "--unit=dflash-train.service"]
     assert (tmp_path / "log").is_dir()  # systemd does not create the log's directory
 
 

@@ -22,7 +22,7 @@ from ansible.module_utils.dflash_unit_spec import (
     environment_file_text,
     parse_environment_file,
 )
-from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, SystemdBackend, systemd_run_args
+from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, SystemdBackend, record_dropin_text, systemd_run_args
 from conftest import ROOT, tool
 
 # Values systemd itself read back unchanged from these lines (checked with systemd 252 in a container:
@@ -43,8 +43,9 @@ def test_plain_job_names_pass():
 
 def test_the_exit_recorder_is_a_fixed_script_and_the_directory_only_its_argument(tmp_path):
     spec = {"name": "j", "command": ["/bin/true"], "log_path": "/var/log/j.log", "state_dir": str(tmp_path / "state")}
-    post = next(a for a in systemd_run_args(spec) if a.startswith("ExecStopPost="))
-    assert post == f'ExecStopPost=+/bin/sh -c "{RECORD_EXIT_SCRIPT.replace(chr(34), chr(92) + chr(34))}" "{tmp_path}/state"'
+    post = next(line for line in record_dropin_text(spec).splitlines() if line.startswith("ExecStopPost="))
+    script = RECORD_EXIT_SCRIPT.replace("%", "%%").replace(chr(34), chr(92) + chr(34))
+    assert post == f'ExecStopPost=-+/bin/sh -c "{script}" "{tmp_path}/state"'
     # the script run the way systemd runs it: the directory is data ($0), whatever it holds
     odd = tmp_path / "we;ird $(touch pwned)"
     odd.mkdir()
