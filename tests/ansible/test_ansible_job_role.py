@@ -1,8 +1,9 @@
 """The job role end to end on this machine (daemon backend, local connection) with a stand-in trainer that
 follows the runtime contract (log lines, heartbeat.json, `dflash: error:` + exit 2): the second run changes
 nothing, a config change restarts, a config the trainer's check rejects leaves the config file, the code and
-the running job as they were, a trainer that exits at once fails the play with its own error, and a job
-stopped on purpose reads `stopped`."""
+the running job as they were, a new release whose trainer exits at its start is rolled back to the job that
+trained (code, config file, unit) and fails naming the trainer's error, a trainer that exits at once with no
+job to go back to fails the play with its own error, and a job stopped on purpose reads `stopped`."""
 
 from __future__ import annotations
 
@@ -103,19 +104,38 @@ def role_run(tmp_path_factory):
         {"name": "Keep it", "ansible.builtin.set_fact": {"after_reject": "{{ dflash_job_health }}"}},
         {"name": "Read the config after the rejection", "ansible.builtin.slurp": {"src": str(tmp / "etc" / "job.yaml")},
          "register": "config_after_reject"},
+        {"name": "Read the code release before the failing one", "ansible.builtin.stat": {"path": str(tmp / "opt" / "current")},
+         "register": "current_before"},
+        # A new release (code and config) whose trainer passes the checks but exits 2 at its start: rolled back.
+        {"name": "Change the code", "ansible.builtin.copy": {"dest": str(repo / "dflash" / "__init__.py"), "content": "# v2\n",
+                                                              "mode": "0644"}},
         {"name": "Crash", "block": [_include(dflash_job_config={"fake_error": "data.train_path /x does not exist; fix data.train_path"},
                                              dflash_job_validate_config=False)],
          "rescue": [{"name": "Keep the failure", "ansible.builtin.set_fact": {"crash": "{{ ansible_failed_result }}"}}]},
+        {"name": "Status after the rollback", "ansible.builtin.include_role": {"name": "job", "tasks_from": "status.yml"}},
+        {"name": "Keep the status", "ansible.builtin.set_fact": {"after_rollback": "{{ dflash_job_health }}"}},
+        {"name": "Read the config after the rollback", "ansible.builtin.slurp": {"src": str(tmp / "etc" / "job.yaml")},
+         "register": "config_after_rollback"},
+        {"name": "Read the code release after the rollback", "ansible.builtin.stat": {"path": str(tmp / "opt" / "current")},
+         "register": "current_after_rollback"},
         _include(dflash_job_config={"seed": 1}), _keep("recovered"),
         {"name": "Stop on purpose", "ansible.builtin.include_role": {"name": "job", "tasks_from": "stop.yml"}},
         {"name": "Status of the stopped job", "ansible.builtin.include_role": {"name": "job", "tasks_from": "status.yml"}},
         {"name": "Keep that", "ansible.builtin.set_fact": {"stopped": "{{ dflash_job_health }}"}},
+        # Nothing trained before this deploy: nothing to go back to, it fails with the launch's diagnosis.
+        {"name": "Crash while stopped", "block": [_include(dflash_job_config={"fake_error": "data.train_path /y does not exist"},
+                                                           dflash_job_validate_config=False)],
+         "rescue": [{"name": "Keep that failure", "ansible.builtin.set_fact": {"crash_stopped": "{{ ansible_failed_result }}"}}]},
         {"name": "Stop", "ansible.builtin.include_role": {"name": "job", "tasks_from": "stop.yml"}, "vars": {"dflash_job_stop_state": "absent"}},
         {"name": "Dump", "ansible.builtin.copy": {"dest": str(tmp / "results.json"), "mode": "0644",
                                                    "content": "{{ {'first': first, 'second': second, 'changed': changed, 'crash': crash | default(none),"
                                                               " 'rejected': rejected | default(none), 'after_reject': after_reject,"
                                                               " 'config_after_reject': config_after_reject.content | b64decode,"
-                                                              " 'recovered': recovered, 'stopped': stopped} | to_json }}"}},
+                                                              " 'recovered': recovered, 'stopped': stopped,"
+                                                              " 'crash_stopped': crash_stopped | default(none), 'after_rollback': after_rollback,"
+                                                              " 'config_after_rollback': config_after_rollback.content | b64decode,"
+                                                              " 'current_before': current_before.stat.lnk_source,"
+                                                              " 'current_after_rollback': current_after_rollback.stat.lnk_source} | to_json }}"}},
     ]  # fmt: skip
     (tmp / "play.yml").write_text(yaml.safe_dump([{"name": "Job role", "hosts": "dflash_containers", "gather_facts": False, "tasks": tasks}], sort_keys=False))
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}
@@ -148,11 +168,32 @@ def test_config_change_restarts(role_run):
 
 
 def test_trainer_that_exits_at_once_fails_with_its_error(role_run):
-    crash = role_run["crash"]
+    crash = role_run["crash_stopped"]
     assert crash is not None, "the crash deploy did not fail"
     assert "unit failed: exit status 2" in crash["msg"]
-    assert "dflash: error: data.train_path /x does not exist; fix data.train_path" in crash["msg"]
+    assert "dflash: error: data.train_path /y does not exist" in crash["msg"]
+    assert "ROLLED BACK" not in crash["msg"]  # the job did not train before: nothing to go back to
+
+
+def test_new_release_that_fails_at_start_is_rolled_back(role_run):
+    """Code and config that pass the checks but whose trainer exits 2 at its start: the previous release, config
+    file (byte for byte) and unit train again, and the deploy fails naming the trainer's error."""
+    crash, after = role_run["crash"], role_run["after_rollback"]
+    assert crash is not None, "the deploy of a release that fails at start did not fail"
+    head = crash["msg"].splitlines()[0]
+    assert head.startswith("deploy of fakejob-")
+    assert head.endswith(" ROLLED BACK: the new release did not train on here (unit failed: exit status 2): "
+                         "dflash: error: data.train_path /x does not exist; fix data.train_path"), head
+    assert "restored byte for byte" in crash["msg"] and "relaunched with the previous launch" in crash["msg"]
+    assert "the previous job trains again: step" in crash["msg"]
     assert "dflash: error: data.train_path /x does not exist" in role_run["_stdout"]
+    # the job of the accepted config runs again: a new process of the previous launch, its config file as it was
+    assert after["state"] == "training" and after["unit"]["main_pid"] != role_run["changed"]["main_pid"]
+    assert role_run["config_after_rollback"] == role_run["config_after_reject"]
+    assert "fake_error" not in role_run["config_after_rollback"]
+    assert role_run["current_after_rollback"] == role_run["current_before"]  # the previous code release
+    assert (role_run["_tmp"] / "etc" / "job.yaml.previous").stat().st_mode & 0o777 == 0o644
+    assert (role_run["_tmp"] / "etc" / "job.yaml.launch.json").stat().st_mode & 0o777 == 0o600
 
 
 def test_rejected_config_leaves_config_code_and_job_as_they_were(role_run):
