@@ -55,6 +55,8 @@ HOOK_UNIT_DIR = "/run/systemd/system"
 BOOT_UNIT_DIR = "/etc/systemd/system"
 # One file per job launched in this boot of the container.
 BOOT_MARKER_DIR = "/run/dflash-units"
+# Where systemd keeps the unit files of transient units.
+TRANSIENT_UNIT_DIR = "/run/systemd/transient"
 RECORD_DROPIN = "50-dflash-record.conf"
 # What the state directory keeps for the boot relaunch.
 LAUNCH_ARGV_FILE = "launch.argv"
@@ -292,6 +294,7 @@ class SystemdBackend:
     runtime_unit_dir = HOOK_UNIT_DIR
     boot_unit_dir = BOOT_UNIT_DIR
     marker_dir = BOOT_MARKER_DIR
+    transient_dir = TRANSIENT_UNIT_DIR
 
     def __init__(self, host):
         self.host = host
@@ -351,9 +354,17 @@ class SystemdBackend:
         hook = hook_unit_text(spec) if spec.get("on_failure") else None
         return {self.dropin_path(spec): (record_dropin_text(spec), 0o644), self.hook_path(spec): (hook, 0o600)}
 
-    def _write_runtime_files(self, spec, dry_run=False):
+    def _records_itself(self, spec):
+        """The running transient unit has its own recorder that systemd reads back at a reload (launched by an
+        earlier release on a systemd newer than 252, which writes it as ``ExecStopPost=``, not ``ExecStopPostEx=``)."""
+        text = read_text(os.path.join(self.transient_dir, unit_name(spec["name"])), "") or ""
+        return any(line.startswith("ExecStopPost=") and "exit_status" in line for line in text.splitlines())
+
+    def _write_runtime_files(self, spec, dry_run=False, skip=()):
         changed = False
         for path, (text, mode) in self._runtime_files(spec).items():
+            if path in skip:
+                continue
             if text is not None:
                 changed |= self._write_if_changed(path, text, mode, dry_run)
             elif os.path.lexists(path):
@@ -399,7 +410,9 @@ class SystemdBackend:
     def adopt(self, spec, dry_run=False):
         """A job running already (launched by an earlier release, or before the boot marker existed): give it the
         exit recorder drop-in and the boot relaunch without restarting it. True when anything changed."""
-        changed = self._write_runtime_files(spec, dry_run)
+        # A unit that records itself keeps doing so until its next start (a drop-in too would record every end twice).
+        skip = (self.dropin_path(spec),) if self._records_itself(spec) else ()
+        changed = self._write_runtime_files(spec, dry_run, skip)
         changed |= self.persist(spec, dry_run)
         if not dry_run:
             if changed:

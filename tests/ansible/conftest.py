@@ -98,13 +98,13 @@ def fake_host():
 
 @pytest.fixture(autouse=True)
 def systemd_dirs(tmp_path_factory, monkeypatch):
-    """Where the systemd backend writes its units, drop-ins and boot markers in a test: never the host's
-    /etc/systemd/system, /run/systemd/system or /run/dflash-units."""
+    """Where the systemd backend writes its units, drop-ins and boot markers (and reads transient units) in a test:
+    never the host's /etc/systemd/system, /run/systemd/system, /run/dflash-units or /run/systemd/transient."""
     from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
     root = tmp_path_factory.mktemp("systemd")
     dirs = {"runtime_unit_dir": root / "run-systemd-system", "boot_unit_dir": root / "etc-systemd-system",
-            "marker_dir": root / "run-dflash-units"}
+            "marker_dir": root / "run-dflash-units", "transient_dir": root / "run-systemd-transient"}
     for attribute, path in dirs.items():
         monkeypatch.setattr(SystemdBackend, attribute, str(path))
     return dirs

@@ -188,6 +188,28 @@ def test_a_job_of_an_earlier_release_becomes_durable_without_a_restart(tmp_path,
     assert (result["action"], result["changed"]) == ("none", False) and "daemon-reload" not in unit.verbs()
 
 
+@pytest.mark.parametrize(
+    ("transient_line", "dropin"),
+    [
+        # systemd 252 writes the recorder of an earlier release so; it is lost at the next reload: add the drop-in
+        ('ExecStopPostEx=+"/bin/sh" "-c" "echo \\"$$EXIT_CODE $$EXIT_STATUS\\" > \\"$$0/exit_status\\"" "/s"', True),
+        # a newer systemd writes it so and reads it back: a drop-in as well would record every end twice
+        ('ExecStopPost=+"/bin/sh" "-c" "echo \\"$$EXIT_CODE $$EXIT_STATUS\\" > \\"$$0/exit_status\\"" "/s"', False),
+    ],
+)
+def test_an_earlier_releases_recorder_is_not_doubled(tmp_path, fake_host, systemd_dirs, transient_line, dropin):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "config_hash").write_text("h\n")
+    systemd_dirs["transient_dir"].mkdir()
+    (systemd_dirs["transient_dir"] / "dflash-train.service").write_text("[Service]\nExecStopPost=\n" + transient_line + "\n")
+    unit = Unit(fake_host, running=True)
+    assert ensure(_spec(tmp_path), "started", SystemdBackend(unit.host), unit.host)["changed"]
+    path = systemd_dirs["runtime_unit_dir"] / "dflash-train.service.d" / "50-dflash-record.conf"
+    assert path.exists() is dropin
+    assert (tmp_path / "state" / "launch.argv").is_file()  # durable either way
+    assert not ensure(_spec(tmp_path), "started", SystemdBackend(unit.host), unit.host)["changed"]
+
+
 # --- the relaunch script, run for real --------------------------------------------------------------------------
 
 

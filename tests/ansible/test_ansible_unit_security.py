@@ -22,7 +22,12 @@ from ansible.module_utils.dflash_unit_spec import (
     environment_file_text,
     parse_environment_file,
 )
-from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, SystemdBackend, record_dropin_text, systemd_run_args
+from ansible.module_utils.dflash_unit_systemd import (
+    RECORD_EXIT_SCRIPT,
+    SystemdBackend,
+    record_dropin_text,
+    systemd_run_args,
+)
 from conftest import ROOT, tool
 
 # Values systemd itself read back unchanged from these lines (checked with systemd 252 in a container:
