@@ -17,6 +17,17 @@ from dflash.train import Trainer
 pytest.importorskip("torchao.float8")
 
 
+# torch's float8 matmul on the CPU is a slow reference kernel (its time grows with the rows of the batch): the
+# float8 runs here take small batches (a few sequences, a few anchors each), which is all their assertions need.
+SMALL_BATCH = {"token_budget": 256, "num_anchors": 4}
+
+
+def _small(cfg):
+    cfg.data.token_budget = SMALL_BATCH["token_budget"]
+    cfg.drafter.num_anchors = SMALL_BATCH["num_anchors"]
+    return cfg
+
+
 def _linears(model):
     return sorted(name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
 
@@ -24,7 +35,7 @@ def _linears(model):
 def test_float8_trains_like_bf16_and_its_checkpoints_resume_and_export_without_it(tiny_config, tmp_path):
     runs = {}
     for fp8 in (False, True):
-        cfg = copy.deepcopy(tiny_config)
+        cfg = _small(copy.deepcopy(tiny_config))
         cfg.output_dir = str(tmp_path / f"fp8-{fp8}")
         cfg.drafter.float8 = fp8
         cfg.optim.max_steps = 6
@@ -92,11 +103,11 @@ def test_float8_leaves_layers_whose_dimensions_float8_cannot_take(monkeypatch):
 def test_a_float8_run_ends_with_a_lossless_speculative_decoding_eval(tiny_config, tmp_path):
     """The whole run: training, then the final eval's real speculative decoding with the float8 drafter,
     whose output must equal the target's own greedy decoding (the target verifies every token)."""
-    cfg = copy.deepcopy(tiny_config)
+    cfg = _small(copy.deepcopy(tiny_config))
     cfg.output_dir = str(tmp_path / "fp8-run")
     cfg.drafter.float8 = True
     cfg.optim.max_steps = 3
-    cfg.eval.speculative_prompts = 4
+    cfg.eval.speculative_prompts = 2
     cfg.eval.max_new_tokens = 16
     result = Trainer(cfg).setup().run()
     assert result["step"] == 3 and result["eval_acceptance_length"] >= 1.0
@@ -114,6 +125,8 @@ def test_a_float8_run_from_the_cli_keeps_stderr_empty(write_config, tiny_dict, t
     tiny_dict["drafter"]["float8"] = True
     tiny_dict["optim"]["max_steps"] = 2
     tiny_dict["data"]["synthetic"]["num_samples"] = 60
+    tiny_dict["data"]["token_budget"] = SMALL_BATCH["token_budget"]
+    tiny_dict["drafter"]["num_anchors"] = SMALL_BATCH["num_anchors"]
     tiny_dict["eval"]["speculative_prompts"] = 0
     proc = subprocess.run([sys.executable, "-m", "dflash", "train", str(write_config(tiny_dict))],
                           capture_output=True, text=True, timeout=600)
