@@ -115,7 +115,7 @@ endif
 stop: $(STAMP)
 	$(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/stop.yml
 
-# Every molecule scenario (real LXC containers; see docs/testing.md), two side by side; each log in
+# Every molecule scenario (real LXC containers; see docs/testing.md), three side by side; each log in
 # .test-logs/molecule-NAME.log, a failed scenario's failed tasks printed again at the end.
 molecule: host-setup
 	scripts/test.sh molecule

@@ -5,7 +5,7 @@
 #
 # Settings (environment):
 #   DFLASH_TEST_SCENARIOS  molecule scenarios, longest first (default: every scenario, see below)
-#   DFLASH_TEST_PARALLEL   molecule scenarios run side by side (default 2)
+#   DFLASH_TEST_PARALLEL   molecule scenarios run side by side (default 3: much of their time is waiting)
 #   DFLASH_TEST_PYTEST     1: pytest beside molecule (default); 0: before it
 #   PYTEST_ARGS            extra pytest arguments (e.g. -k ..., -m "not slow")
 #
@@ -32,7 +32,7 @@ ONLY=${1:-all}
 
 # Longest first, so that the pool ends together.
 SCENARIOS=${DFLASH_TEST_SCENARIOS:-faults default multinode proxmox}
-PARALLEL=${DFLASH_TEST_PARALLEL:-2}
+PARALLEL=${DFLASH_TEST_PARALLEL:-3}
 BESIDE=${DFLASH_TEST_PYTEST:-1}
 
 rm -rf "$LOGS"
