@@ -32,6 +32,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """On an xdist worker with --dist loadgroup, xdist names each grouped test NODEID@GROUP; a test without the
+    suffix would be scheduled alone (pytest-xdist#1386: pytest 9.2 with pytest-xdist 3.8). Say so then."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rsplit("]", 1)[-1]]
+    if lost:
+        session.config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"pytest-xdist did not group {len(lost)} test(s) marked xdist_group (e.g. {lost[0]}): pytest "
+            f"{pytest.__version__} and this pytest-xdist do not work together (pytest-xdist#1386), so the groups run "
+            "apart; install the versions of the dev extra (pip install -e '.[dev]')"), stacklevel=2)
+
+
 @pytest.fixture
 def tiny_dict() -> dict:
     return copy.deepcopy(yaml.safe_load(TINY.read_text()))
