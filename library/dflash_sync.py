@@ -20,7 +20,7 @@ description:
   - With O(publish=false) the release is built but C(DEST/current) is left alone (RV(pending) says a publish is
     due), so the new code can be validated first; a second call with O(publish=true) swaps C(current).
   - With O(release) a kept release is made C(current) again (a rollback), after its files were checked against its
-    manifest (O(exclude) applies: the interpreter's C(__pycache__) does not count).
+    manifest (O(exclude) applies, so the interpreter's C(__pycache__) does not count).
 version_added: "0.1.0"
 author: dflash authors
 options:

@@ -10,6 +10,7 @@ diagnosis) and `dflash_gpu_facts` (GPU table). Their results are read from the
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,7 +333,7 @@ class EventCollector:
         if kind == "runner_on_failed":
             self.failures[host] = TaskFailure(
                 host=host, task=_task_name(data), message=failure_message(res), play=data.get("play"),
-                module=module or None, diagnosis=health_diagnosis(res) if module == MODULE_HEALTH else None)
+                module=module or None, diagnosis=health_diagnosis(res) if module == MODULE_HEALTH else relayed_diagnosis(res))
 
     def result(self, operation: str, playbook: str, inventory: str, status: str, rc: int | None,
                artifact_dir: str | None = None, error: str | None = None, bad_input: bool = False) -> OpsResult:
@@ -407,6 +408,13 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
         container.job, container.nodes = res.get("job"), list(res.get("nodes") or [])
         container.node_rank = container.nodes.index(container.host) if container.host in container.nodes else None
         container.all_joined, container.lost_node = res.get("all_joined"), res.get("lost_node")
+
+
+def relayed_diagnosis(res: dict[str, Any]) -> str | None:
+    """A health report that another task failed with (the job role fails a deploy whose launch did not train,
+    after its rollback, with the launch's diagnosis or the rollback's report that quotes it)."""
+    message = str(res.get("msg") or "")
+    return message if re.search(r"^dflash job '[^']+' is NOT healthy", message, re.MULTILINE) else None
 
 
 def health_diagnosis(res: dict[str, Any]) -> str | None:

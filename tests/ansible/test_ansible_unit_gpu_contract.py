@@ -68,8 +68,10 @@ def test_the_role_translates_host_gpus_to_visible_indices_once(rendered, name):
 
 
 def test_the_unit_gets_the_translated_environment_and_the_config_the_translated_topology():
-    launch = (ROOT / "roles/job/tasks/launch.yml").read_text()
-    assert "_dflash_job_gpu_environment" in launch and "gpu_ids: \"{{ _dflash_job_gpu_ids }}\"" in launch
+    # The unit's arguments are one spec (recorded at each launch for a rollback), which launch.yml passes on.
+    spec = yaml.safe_load((ROOT / "roles/job/vars/main.yml").read_text())["_dflash_job_unit_spec"]
+    assert "_dflash_job_gpu_environment" in spec["environment"] and spec["gpu_ids"] == "{{ _dflash_job_gpu_ids }}"
+    assert "_dflash_job_unit_spec" in (ROOT / "roles/job/tasks/launch.yml").read_text()
     assert "_dflash_job_topology" in (ROOT / "roles/job/tasks/configure.yml").read_text()
     env_defaults = yaml.safe_load((ROOT / "roles/env/defaults/main.yml").read_text())
     assert env_defaults["dflash_env_cuda_visible_devices"] == []  # no second, possibly different, list
@@ -111,8 +113,8 @@ def test_the_trainer_accepts_the_contract_and_every_rank_lands_on_the_inventorys
 def test_host_numbers_in_the_topology_are_what_failed_before(monkeypatch):
     _mock_visible(monkeypatch, "2,3,5")
     config = _config({"mode": "disaggregated", "target_gpus": [2, 3], "drafter_gpus": [5]})
-    with pytest.raises(BadInput, match=r"topology names GPU ids \[3, 5\] but only ids 0\.\.2 are visible "
-                                       r"\(CUDA_VISIBLE_DEVICES=2,3,5\)"):  # fmt: skip
+    with pytest.raises(BadInput, match=r"topology.target_gpus \[2, 3\] names GPU ids \[3\] but only ids 0\.\.2 are "
+                                       r"visible \(CUDA_VISIBLE_DEVICES=2,3,5\)"):  # fmt: skip
         check_devices(config, plan_ranks(config.topology))
 
 
