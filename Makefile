@@ -14,11 +14,13 @@ help:
 	@echo "make status  status of the training job(s) of the local inventory"
 	@echo "make stop    stop the training job(s) of the local inventory"
 
+# --no-compile: the controller venv's modules are byte-compiled when first imported (a fraction of torch's
+# files), not all of them at install time.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e ".[ops,dev]"
+	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --no-compile -e ".[ops,dev]"
 	touch $@
 
 venv: $(STAMP)

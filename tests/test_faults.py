@@ -527,7 +527,7 @@ def _full_disk_run(tmp_path, tiny_dict, size, fill="", **changes):
     cfg.write_text(yaml.safe_dump(data))
     script = FULL_DISK.format(size=size, python=sys.executable, fill=fill)
     subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(mnt), str(cfg),
-                    str(copy_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, timeout=300)  # fmt: skip
+                    str(copy_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, timeout=900)  # fmt: skip
     run = copy_dir / "run"
     return int((copy_dir / "rc").read_text()), (copy_dir / "err.log").read_text(), run
 

@@ -11,7 +11,7 @@ from conftest import ROOT
 def make(goal: str, variable: str, script: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["make", "--no-print-directory", "-s", goal, f"{variable}=sh -c '{script}'"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
 
 

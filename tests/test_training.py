@@ -88,7 +88,7 @@ def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(write_config, tiny_d
     assert lines[-1]["blocks_per_s"] > 0
     # resume continues from that step
     proc2 = _spawn(cfg, f"optim.max_steps={step + 5}")
-    output2, _ = proc2.communicate(timeout=120)
+    output2, _ = proc2.communicate(timeout=600)
     assert proc2.returncode == 0, output2
     assert f"resumed from {ckpts[-1]} at step {step}" in output2
     assert json.loads(hb.read_text())["step"] == step + 5

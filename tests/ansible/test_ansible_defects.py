@@ -45,7 +45,7 @@ def test_node_rank_is_the_position_in_dflash_job_nodes_not_the_sorted_one(tmp_pa
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}
     proc = subprocess.run([tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank, name in enumerate(NODES):
         got = json.loads((out / f"{name}.json").read_text())

@@ -33,7 +33,7 @@ def preflight(tmp_path, limit=None, **overrides):
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}
     argv = [tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"),
             "-e", f"dflash_job_source_dir={ROOT}"] + (["--limit", limit] if limit else [])
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     return proc.returncode, " ".join((proc.stdout + proc.stderr).split())
 
 

@@ -141,7 +141,7 @@ def role_run(tmp_path_factory):
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}
     try:
         proc = subprocess.run([tool("ansible-playbook"), "-i", str(tmp / "hosts.yml"), str(tmp / "play.yml")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     finally:  # never leave the stand-in trainer running, whatever happened to the play
         spec = {"name": name, "state_dir": f"/var/lib/dflash-units/{name}", "stop_timeout": 1}
         DaemonBackend(LocalHost()).stop(spec)

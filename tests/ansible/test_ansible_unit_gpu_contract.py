@@ -52,7 +52,7 @@ def rendered(tmp_path_factory):
                "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}  # fmt: skip
         proc = subprocess.run([tool("ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", extra,
                                "-e", f"ansible_python_interpreter={sys.executable}", str(tmp / "play.yml")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out[name] = json.loads((tmp / "out.json").read_text())
     return out

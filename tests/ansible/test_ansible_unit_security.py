@@ -171,7 +171,7 @@ def test_the_module_keeps_environment_values_out_of_its_output(tmp_path):
            "HOME": str(tmp_path), "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}  # fmt: skip
     out = subprocess.run([tool("ansible-playbook"), "-vvv", "-i", "localhost,", "-c", "local", "-e",
                           f"ansible_python_interpreter={sys.executable}", str(play)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "hf_do_not_print" not in out.stdout + out.stderr
     assert "VALUE_SPECIFIED_IN_NO_LOG_PARAMETER" in out.stdout

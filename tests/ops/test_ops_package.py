@@ -74,14 +74,14 @@ def installed(tmp_path_factory):
     (tmp / "setup.cfg").write_text(f"[build]\nbuild_base = {tmp / 'build'}\n[egg_info]\negg_base = {tmp}\n")
     env = {**os.environ, "DIST_EXTRA_CONFIG": str(tmp / "setup.cfg")}
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp / "dist"), str(ROOT)], check=True, env=env, timeout=300)
+                    str(tmp / "dist"), str(ROOT)], check=True, env=env, timeout=900)
     (wheel,) = (tmp / "dist").glob("dflash_trainer-*.whl")
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=600)
     python = venv / "bin" / "python"
     clean = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # else pip sees a dflash there
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, timeout=300, env=clean)
+                    str(wheel)], check=True, timeout=900, env=clean)
     # ansible, ansible-runner, rich and yaml from the test's own environment, after the wheel's own packages
     # (a path line, so the checkout's editable-install hook there is not run).
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -116,7 +116,7 @@ def test_dflash_ops_runs_from_a_wheel_outside_the_checkout(installed):
     env.update(HOME=str(tmp), DFLASH_CACHE_DIR=str(tmp / "cache"),
                PATH=os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]))
     proc = subprocess.run([str(installed["python"]), "-c", PROBE, "status", "-i", "hosts.yml", "--json"], cwd=work,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=900)
     where = json.loads(proc.stderr.splitlines()[0])
     assert Path(where["dflash"]).is_relative_to(site) and Path(where["project"]) == site / "dflash" / "ops" / "project"
     result = json.loads(proc.stdout)

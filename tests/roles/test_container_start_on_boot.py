@@ -29,7 +29,7 @@ def _render_all(tmp_path: Path, cases: dict[str, tuple[str, dict]]) -> dict[str,
              "ansible_managed": "managed"}  # fmt: skip
     proc = subprocess.run([f"{sys.prefix}/bin/ansible-playbook", "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
                            "-e", f"ansible_python_interpreter={sys.executable}", str(tmp_path / "play.yml")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in cases}
 

@@ -26,7 +26,7 @@ def _render(expression: str, tmp_path: Path, **extra) -> object:
     extra = {"dflash_container_id": 200, "dflash_container_pct_template": "local:vztmpl/debian-12.tar.zst", **extra}
     proc = subprocess.run([f"{sys.prefix}/bin/ansible-playbook", "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
                            "-e", f"ansible_python_interpreter={sys.executable}", str(tmp_path / "play.yml")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads((tmp_path / "out.json").read_text())
 

@@ -109,7 +109,7 @@ def run_role(tmp_path: Path, venv: Path, cache: Path, **extra) -> subprocess.Com
     return subprocess.run(
         [str(ANSIBLE_PLAYBOOK), "-i", "localhost,", str(playbook), "--skip-tags", "dflash_kernels_fla",
          "-e", json.dumps(variables)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
 
 

@@ -129,10 +129,10 @@ def test_module_writes_through_ansible_with_check_and_diff(tmp_path):
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp")}  # fmt: skip
     base = [str(Path(sys.executable).parent / "ansible"), "localhost", "-c", "local", "-m", "dflash_pct_conf",
             "-a", json.dumps(args), "-e", f"ansible_python_interpreter={sys.executable}"]  # fmt: skip
-    check = subprocess.run(base + ["--check", "--diff"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    check = subprocess.run(base + ["--check", "--diff"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "+lxc.prlimit.memlock: unlimited" in check.stdout and conf.read_text() == PVE_CONF
-    real = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    real = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert real.returncode == 0 and "CHANGED" in real.stdout, real.stdout + real.stderr
     assert "lxc.prlimit.memlock: unlimited\n\n[pve:pending]" in conf.read_text()
 
