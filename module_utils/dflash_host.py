@@ -237,20 +237,27 @@ def _size(limit):
     return f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"
 
 
-def read_text_checked(path, limit=READ_LIMIT, follow=False):
-    """``(text, None)``; ``(None, None)`` when missing; ``(None, reason)`` when root does not read it.
-
-    ``reason`` completes a sentence that starts with the path ("is not a regular file (fifo)", "is a
-    symbolic link (to /dev/zero), which root does not follow", "is larger than 1 MiB, more than root reads").
-    See ``open_nofollow``: never blocks, never follows a link another account made, reads at most ``limit``."""
+def _open_checked(path, follow=False):
+    """``(fd, None)``; ``(None, None)`` when ``path`` is missing; ``(None, reason)`` when root does not read it."""
     try:
-        fd = open_nofollow(path, follow=follow)
+        return open_nofollow(path, follow=follow), None
     except (FileNotFoundError, NotADirectoryError):
         return None, None
     except UnsafeFile as exc:
         return None, exc.reason
     except OSError as exc:
         return None, f"cannot be read ({exc.strerror})"
+
+
+def read_text_checked(path, limit=READ_LIMIT, follow=False):
+    """``(text, None)``; ``(None, None)`` when missing; ``(None, reason)`` when root does not read it.
+
+    ``reason`` completes a sentence that starts with the path ("is not a regular file (fifo)", "is a
+    symbolic link (to /dev/zero), which root does not follow", "is larger than 1 MiB, more than root reads").
+    See ``open_nofollow``: never blocks, never follows a link another account made, reads at most ``limit``."""
+    fd, reason = _open_checked(path, follow=follow)
+    if fd is None:
+        return None, reason
     try:
         data = _read_fd(fd, limit)
     except (FileNotFoundError, ProcessLookupError):
@@ -273,14 +280,9 @@ def read_text(path, default=None, limit=READ_LIMIT, follow=False):
 
 def tail_lines_checked(path, count, max_bytes=256 * 1024):
     """``(the last count lines, None)``; ``(None, None)`` when missing; ``(None, reason)`` when not read."""
-    try:
-        fd = open_nofollow(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None, None
-    except UnsafeFile as exc:
-        return None, exc.reason
-    except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+    fd, reason = _open_checked(path)
+    if fd is None:
+        return None, reason
     try:
         size = os.lseek(fd, 0, os.SEEK_END)
         os.lseek(fd, max(0, size - max_bytes), os.SEEK_SET)

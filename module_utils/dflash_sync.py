@@ -218,6 +218,31 @@ def prune_releases(releases_dir, keep, protect):
     return removed
 
 
+def release_result(dest, release_dir, current_dir, current_manifest, manifest, digest, changed, published, pending):
+    """The module's result for ``release_dir`` (with ``manifest``) replacing the current release, before any pruning."""
+    added, removed, modified = compare(current_manifest, manifest)
+    return {
+        "changed": changed,
+        "published": published,
+        "pending": pending,
+        "release": release_dir,
+        "current": os.path.join(dest, "current"),
+        "previous_release": current_dir,
+        "manifest_hash": digest,
+        "files": len(manifest),
+        "files_added": added,
+        "files_removed": removed,
+        "files_modified": modified,
+        "pruned": [],
+        "diff": {
+            "before_header": current_dir or "(no release)",
+            "after_header": release_dir,
+            "before": manifest_text(current_manifest or {}),
+            "after": manifest_text(manifest),
+        },
+    }
+
+
 def sync(src, dest, exclude=(), keep=3, check_mode=False, archive=None, publish=True):
     """Make ``DEST/current`` a release with exactly the content of ``src`` (a directory) or ``archive``
     (a tar file); with ``publish=False`` only build that release. Returns the module result."""
@@ -235,31 +260,12 @@ def sync(src, dest, exclude=(), keep=3, check_mode=False, archive=None, publish=
     releases_dir = os.path.join(dest, "releases")
     release_dir = os.path.join(releases_dir, release_id)
     current_dir, current_manifest = current_release(dest)
-    added, removed, modified = compare(current_manifest, manifest)
     pending = current_manifest is None or manifest_hash(current_manifest) != digest or current_dir != os.path.realpath(release_dir)
     _, existing = release_manifest(release_dir)
     built = existing is not None and manifest_hash(existing) == digest
     changed = pending if publish else pending and not built
-    result = {
-        "changed": changed,
-        "published": bool(publish and pending),
-        "pending": bool(pending and not publish),
-        "release": release_dir,
-        "current": os.path.join(dest, "current"),
-        "previous_release": current_dir,
-        "manifest_hash": digest,
-        "files": len(manifest),
-        "files_added": added,
-        "files_removed": removed,
-        "files_modified": modified,
-        "pruned": [],
-        "diff": {
-            "before_header": current_dir or "(no release)",
-            "after_header": release_dir,
-            "before": manifest_text(current_manifest or {}),
-            "after": manifest_text(manifest),
-        },
-    }
+    result = release_result(dest, release_dir, current_dir, current_manifest, manifest, digest,
+                            changed=changed, published=bool(publish and pending), pending=bool(pending and not publish))
     if not changed or check_mode:
         if check_mode:
             result["published"] = False
@@ -321,27 +327,8 @@ def publish_release(dest, release, exclude=(), keep=3, check_mode=False):
                         f"e.g. {', '.join(changed_files[:3]) or 'its id'}): deploy its sources again")
     current_dir, current_manifest = current_release(dest)
     pending = current_dir != os.path.realpath(release_dir)
-    added, removed, modified = compare(current_manifest, recorded)
-    result = {
-        "changed": pending,
-        "published": bool(pending and not check_mode),
-        "pending": False,
-        "release": release_dir,
-        "current": os.path.join(dest, "current"),
-        "previous_release": current_dir,
-        "manifest_hash": digest,
-        "files": len(recorded),
-        "files_added": added,
-        "files_removed": removed,
-        "files_modified": modified,
-        "pruned": [],
-        "diff": {
-            "before_header": current_dir or "(no release)",
-            "after_header": release_dir,
-            "before": manifest_text(current_manifest or {}),
-            "after": manifest_text(recorded),
-        },
-    }
+    result = release_result(dest, release_dir, current_dir, current_manifest, recorded, digest,
+                            changed=pending, published=bool(pending and not check_mode), pending=False)
     if not pending or check_mode:
         return result
     os.utime(release_dir)  # the newest again
