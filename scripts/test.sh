@@ -50,8 +50,25 @@ phase() {
   return $rc
 }
 
-# The load average every 15 s while the tests run.
-( while sleep 15; do cut -d' ' -f1 /proc/loadavg >> "$LOGS/load"; done ) &
+# Every 15 s while the tests run: the load average, and the CPU time used so far by the machine and by
+# each LXC container (cgroup v1 or v2), for scripts/cpu-report.py.
+cpu_sample() {
+  local line f name
+  line="$(date +%s) $(awk '/^cpu /{ printf "%.2f", ($2 + $3 + $4 + $7 + $8 + $9) / 100 }' /proc/stat)"
+  for f in /sys/fs/cgroup/cpuacct/lxc.payload.*/cpuacct.usage; do
+    [[ -r "$f" ]] || continue
+    name=${f%/cpuacct.usage}; name=${name##*/lxc.payload.}
+    line+=" $name=$(awk '{ printf "%.2f", $1 / 1e9 }' "$f")"
+  done
+  for f in /sys/fs/cgroup/lxc.payload.*/cpu.stat; do
+    [[ -r "$f" ]] || continue
+    name=${f%/cpu.stat}; name=${name##*/lxc.payload.}
+    line+=" $name=$(awk '$1 == "usage_usec" { printf "%.2f", $2 / 1e6 }' "$f")"
+  done
+  echo "$line" >> "$LOGS/cpu"
+}
+cpu_sample
+( while sleep 15; do cut -d' ' -f1 /proc/loadavg >> "$LOGS/load"; cpu_sample; done ) &
 sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
 
@@ -80,6 +97,7 @@ else
 fi
 end=$(date +%s)
 kill $sampler 2>/dev/null
+cpu_sample
 
 echo
 [[ -f "$LOGS/pytest.log" ]] && tail -n 40 "$LOGS/pytest.log"
@@ -108,4 +126,5 @@ printf '%-22s %9s %9d\n' total "" $((end - start))
 if [[ -s "$LOGS/load" ]]; then
   awk '{ s += $1; if ($1 > m) m = $1 } END { printf "load average while testing: mean %.1f, max %.1f (%d samples, every 15 s)\n", s / NR, m, NR }' "$LOGS/load"
 fi
+[[ -s "$LOGS/cpu" ]] && python3 scripts/cpu-report.py "$LOGS/cpu"
 exit $failed

@@ -405,7 +405,7 @@ def test_sigterm_stops_after_finished_shards(tmp_path):
     while not list(parts.glob("shard-*.jsonl")) and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=600)
     assert proc.returncode == 1 and "stopped by signal 15" in err and "rerun the same command" in err
     assert not out.exists() and not list(parts.glob(".*tmp*"))
     for shard in parts.glob("shard-*.jsonl"):  # every shard file is complete
