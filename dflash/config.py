@@ -160,6 +160,7 @@ class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = None  # torch CPU threads
     peak_tflops: float | None = None  # for MFU; default: known GPUs (H100/H200: 790 measured bf16)
+    step_pause_s: float = 0.0  # sleep after each step: leaves the CPU to others on a shared small machine
 
 
 @dataclass
@@ -450,6 +451,8 @@ def validate(config: RunConfig) -> None:
     _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
     _require(config.runtime.num_threads is None or config.runtime.num_threads >= 1,
              f"runtime.num_threads must be >= 1 or null (got {config.runtime.num_threads})")
+    _require(0 <= config.runtime.step_pause_s <= 60,
+             f"runtime.step_pause_s must be in [0, 60] seconds (got {config.runtime.step_pause_s})")
     _require(config.runtime.peak_tflops is None or config.runtime.peak_tflops > 0,
              f"runtime.peak_tflops must be > 0 or null (got {config.runtime.peak_tflops})")
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas: two numbers in [0, 1)")

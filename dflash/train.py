@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -572,6 +573,8 @@ class Trainer:
             if c.logging.eval_interval and self.step % c.logging.eval_interval == 0:
                 self._report_eval()
             notifier.step(self.step)
+            if c.runtime.step_pause_s:
+                time.sleep(c.runtime.step_pause_s)
         if self.step > 0 and (not self.ckpt.list() or self.ckpt.list()[-1] != self.ckpt.path_for(self.step)):
             self.save_checkpoint()  # (step 0: stopped before any step; nothing to keep)
         stopped = self.reducer.stop_agreed() and self.step < self.total_steps

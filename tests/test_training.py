@@ -200,3 +200,19 @@ def test_a_stop_during_the_final_eval_ends_it_early_and_keeps_the_checkpoint(tin
     assert any("interrupted by a stop request" in r.getMessage() for r in caplog.records)
     beat = json.loads((Path(tiny_config.output_dir) / "heartbeat.json").read_text())
     assert beat["status"] == "finished" and beat["step"] == 4
+
+
+def test_step_pause_sleeps_after_every_step_and_a_negative_one_is_refused(tiny_config, monkeypatch):
+    import dflash.train as train_module
+    from dflash.config import ConfigError, validate
+
+    pauses = []
+    monkeypatch.setattr(train_module.time, "sleep", pauses.append)
+    tiny_config.runtime.step_pause_s = 0.25
+    tiny_config.optim.max_steps = 3
+    tiny_config.eval.speculative_prompts = 0
+    result = Trainer(tiny_config).setup().run()
+    assert result["step"] == 3 and pauses == [0.25, 0.25, 0.25]
+    tiny_config.runtime.step_pause_s = -1
+    with pytest.raises(ConfigError, match=r"runtime.step_pause_s must be in \[0, 60\] seconds \(got -1\)"):
+        validate(tiny_config)

@@ -79,7 +79,9 @@ def inventory(tmp_path):
     hosts = yaml.safe_load((ROOT / "inventories" / "local" / "hosts.yml").read_text())
     containers = hosts["all"]["children"]["dflash_containers"]["hosts"]
     spec = containers.pop(USER_CONTAINER)
-    containers[CONTAINER] = {**spec, "ansible_host": CONTAINER, "dflash_job_name": "dflash-ops-test"}
+    containers[CONTAINER] = {**spec, "ansible_host": CONTAINER, "dflash_job_name": "dflash-ops-test",
+                             # a pause after each step: the job only has to show progress (molecule/default)
+                             "dflash_job_config": {"logging": {"interval": 1}, "runtime": {"step_pause_s": 0.5}}}
     (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
     shutil.copytree(ROOT / "inventories" / "local" / "group_vars", inv / "group_vars")
     before = _user_job_fingerprint()
