@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,10 @@ class RunObserver:
         self.heartbeat_path = self.dir / "heartbeat.json"
         self.metrics_path = self.dir / "metrics.jsonl"
         self._tb = None
+        # A `starting` heartbeat is rewritten every STARTING_REFRESH_S while the run loads its models and prepares
+        # (regenerates) its data: the health check tells a slow start from a frozen one by its age.
+        self._beat_lock = threading.Lock()
+        self._starting_done: threading.Event | None = None
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tensorboard:
@@ -58,15 +63,39 @@ class RunObserver:
 
                 self._tb = SummaryWriter(str(self.dir / "tensorboard"))
 
+    STARTING_REFRESH_S = 30.0
+
     def heartbeat(self, step: int, epoch: int, status: str, **extra: Any) -> None:
         if not self.enabled:
             return
+        with self._beat_lock:
+            if self._starting_done is not None and status != "starting":
+                self._starting_done.set()  # any later status ends the refresh; it never overwrites one
+                self._starting_done = None
+            self._write_beat(step, epoch, status, extra)
+            if status == "starting" and self._starting_done is None:
+                self._starting_done = threading.Event()
+                threading.Thread(target=self._refresh_starting, args=(self._starting_done, step, epoch, extra),
+                                 name="dflash-starting-heartbeat", daemon=True).start()
+
+    def _write_beat(self, step: int, epoch: int, status: str, extra: dict[str, Any]) -> None:
         atomic_write_json(self.heartbeat_path, {"step": step, "epoch": epoch, "time": time.time(),
                                                 "pid": os.getpid(), "status": status,
                                                 "loss": extra.get("loss"), "tau": extra.get("tau"),
                                                 "tokens_per_s": extra.get("tokens_per_s"),
                                                 **{k: v for k, v in extra.items()
                                                    if k not in ("loss", "tau", "tokens_per_s")}})
+
+    def _refresh_starting(self, done: threading.Event, step: int, epoch: int, extra: dict[str, Any]) -> None:
+        while not done.wait(self.STARTING_REFRESH_S):
+            with self._beat_lock:
+                if done.is_set():
+                    return
+                try:
+                    self._write_beat(step, epoch, "starting", extra)
+                except OSError as exc:  # a full disk: the main thread meets it and reports it
+                    log.warning(f"heartbeat: could not refresh {self.heartbeat_path}: {exc}")
+                    return
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -112,6 +141,10 @@ class RunObserver:
             self._tb.flush()
 
     def close(self) -> None:
+        with self._beat_lock:
+            if self._starting_done is not None:
+                self._starting_done.set()
+                self._starting_done = None
         if self._tb is not None:
             self._tb.close()
 

@@ -24,6 +24,10 @@ description:
     failure names the node that was lost. On nodes other than 0 the node file is the heartbeat, and the log need only
     exist (node 0's reporter writes the step lines).
   - A heartbeat of an earlier launch is never evidence; the job reads as C(starting) until this launch writes one.
+  - A launch whose heartbeat says C(starting) and was rewritten within O(progress_window) (the trainer refreshes it
+    while it loads the models and prepares its data) is C(starting), not C(hung), for up to O(start_window) after the
+    launch; its log need not grow meanwhile. One that stops refreshing it (frozen, stuck outside Python) is judged by
+    O(progress_window) as before.
   - A heartbeat with status C(finished) and a unit that exited 0 count as healthy (RV(finished)).
   - RV(state) names what the job is doing - C(training), C(finished), C(starting), C(hung), C(crashed),
     C(failed-to-start), C(stopped) or C(lost); RV(ok) is false for C(hung), C(crashed), C(failed-to-start) and
@@ -73,6 +77,13 @@ options:
     description: Seconds within which the heartbeat step must advance (and after which any failure is final).
     type: int
     default: 120
+  start_window:
+    description:
+      - Seconds after the launch within which a refreshed C(starting) heartbeat counts as loading, not hung (data
+        regeneration of a large data set takes longer than O(progress_window)). Never shorter than
+        O(progress_window); V(0) means O(progress_window).
+    type: int
+    default: 0
   poll_interval:
     description: Seconds between snapshots.
     type: int
@@ -283,6 +294,7 @@ def main():
             "gpu_min_memory_mib": {"type": "int", "default": 1024},
             "timeout": {"type": "int", "default": 300},
             "progress_window": {"type": "int", "default": 120},
+            "start_window": {"type": "int", "default": 0},
             "poll_interval": {"type": "int", "default": 5},
             "log_lines": {"type": "int", "default": 40},
             "fail_on_unhealthy": {"type": "bool", "default": True},

@@ -210,6 +210,8 @@ class HealthTracker:
         self.params = params
         self.snapshot = snapshot
         self.window = float(params.get("progress_window", 120))
+        # how long a launch may keep saying `starting` (refreshed: it is alive and loading) before it is hung
+        self.start_window = max(float(params.get("start_window") or 0), self.window)
         self.started = None
         self.first_log_size = None
         self.log_grew = False
@@ -229,6 +231,7 @@ class HealthTracker:
         unit = obs["unit"]
         running = is_running(unit)
         finished = bool(hb and hb.get("status") == "finished" and not running and unit.get("exit_status") in (0, None))
+        loading = running and self._loading(obs)
 
         # log
         if not obs["log_exists"]:
@@ -242,7 +245,7 @@ class HealthTracker:
             recent = age is not None and age <= self.window
             # on nodes other than 0 the log holds start-up lines only: the reporter on node 0 writes the steps
             quiet_node = bool(self.params.get("node_heartbeat_path") and self.params.get("node_rank"))
-            if not (self.log_grew or (obs["log_size"] > 0 and recent) or finished or quiet_node):
+            if not (self.log_grew or (obs["log_size"] > 0 and recent) or finished or quiet_node or loading):
                 failures.append(
                     ("log", f"log file {self.params['log_path']} last written {age:.0f}s ago "
                      f"(size {obs['log_size']} bytes, progress window {self.window:.0f}s)", False)
@@ -287,8 +290,10 @@ class HealthTracker:
         result = []
         for invariant, reason, final in failures:
             since = self.failing_since.setdefault(invariant, now)
-            # Anything failing for a whole progress window will not heal by waiting.
-            result.append({"invariant": invariant, "reason": reason, "final": final or now - since >= self.window})
+            # Anything failing for a whole progress window will not heal by waiting; a launch that says it is
+            # still loading (final None) is judged by its start-up allowance instead.
+            result.append({"invariant": invariant, "reason": reason,
+                           "final": bool(final) or (final is not None and now - since >= self.window)})
         self.finished = finished and not result
         self.state = self._state(obs, result, finished)
         return result
@@ -312,10 +317,26 @@ class HealthTracker:
                              + ", ".join(low), False))  # fmt: skip
         return failures
 
+    def _loading(self, obs):
+        """This launch's heartbeat says `starting` and was rewritten within the progress window: the trainer
+        refreshes it while it loads the models and prepares (regenerates) its data, which may take longer than
+        the window."""
+        hb = obs.get("heartbeat") if obs.get("heartbeat_current") else None
+        if not hb or hb.get("status") != "starting":
+            return False
+        return obs["wall"] - float(hb.get("time") or 0) <= self.window
+
     def _progress(self, obs, now):
         hb = obs.get("heartbeat")
         launched = obs["unit"].get("started_at")
         launch_age = obs["wall"] - launched if launched else None
+        if self._loading(obs):
+            loading_for = launch_age if launch_age is not None else 0.0
+            if loading_for > self.start_window:
+                return [("progress", f"no progress: still starting {loading_for:.0f}s after the launch, beyond the "
+                         f"start-up allowance ({self.start_window:.0f}s)", True)]
+            return [("progress", f"no progress yet: starting (loading for {loading_for:.0f}s; start-up allowance "
+                     f"{self.start_window:.0f}s)", None)]
         if not obs.get("heartbeat_current"):
             why = obs.get("heartbeat_stale_reason") or f"no heartbeat: {obs['heartbeat_error']}"
             if hb is not None:

@@ -319,3 +319,36 @@ def test_zero_timeout_is_one_snapshot(tmp_path, timeout, fake_host):
     host = fake_host()
     result = check_health(host, params(tmp_path, timeout=timeout), lambda: dict(ACTIVE))
     assert host.clock == 0 and not result["healthy"]  # one look, no sleep
+
+
+def test_a_trainer_that_keeps_saying_starting_is_loading_not_hung(tmp_path, fake_host):
+    """Data regeneration outlasts the progress window: a `starting` heartbeat rewritten within the window reads
+    `starting` until the start-up allowance, with a quiet log; one that is no longer rewritten is hung."""
+    (tmp_path / "job.log").write_text("target: 6 layers\n")
+    os.utime(tmp_path / "job.log", (time.time() - 100, time.time() - 100))
+    write_heartbeat(tmp_path / "heartbeat.json", 0, status="starting", age=10)
+    launched = {**ACTIVE, "started_at": time.time() - 100}
+    snapshot = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30, start_window=600),
+                            lambda: dict(launched))  # fmt: skip
+    assert snapshot["state"] == "starting" and snapshot["ok"] and snapshot["failed_invariants"] == ["progress"]
+    assert snapshot["failures"][0]["reason"] == ("no progress yet: starting (loading for 100s; start-up allowance "
+                                                 "600s)")  # fmt: skip
+
+    write_heartbeat(tmp_path / "heartbeat.json", 0, status="starting")
+    host = fake_host()  # waiting longer than the window does not make it final
+    watched = check_health(host, params(tmp_path, timeout=4, progress_window=1, start_window=600),
+                           lambda: dict(launched))  # fmt: skip
+    assert host.clock >= 4 and watched["state"] == "starting" and not watched["healthy"]
+
+    beyond = {**ACTIVE, "started_at": time.time() - 700}
+    late = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30, start_window=600),
+                        lambda: dict(beyond))  # fmt: skip
+    assert late["state"] == "hung" and not late["ok"]
+    assert late["failures"][-1]["reason"] == ("no progress: still starting 700s after the launch, beyond the "
+                                              "start-up allowance (600s)")  # fmt: skip
+
+    write_heartbeat(tmp_path / "heartbeat.json", 0, status="starting", age=60)  # no longer rewritten: frozen
+    frozen = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30, start_window=600),
+                          lambda: dict(launched))  # fmt: skip
+    assert frozen["state"] == "hung" and "log" in frozen["failed_invariants"]
+    assert "heartbeat status 'starting', step 0 for 60s" in frozen["diagnosis"]
