@@ -4,16 +4,23 @@ The manager is given the run's stateful parts (torchtitan's `CheckpointManager` 
 (saved in the export layout, config.json + model.safetensors) and named objects with `state_dict()` /
 `load_state_dict()` (optimizer, scheduler, sampler, RNG), stored under their names in trainer_state.pt beside
 the train state's own keys (step, config). `save_state(step)` writes them all, `load_state(path)` restores them.
+
+Beside them a step directory holds `contract.json`, the run's resume contract: the settings that change the loss
+or the drafter's layout (block size, gamma, anchors, loss implementation, tapped layers...), compared with the
+config's on resume (`check_contract`). `checkpoints/best` names the checkpoint whose eval scored best (real
+acceptance length): written atomically like `latest`, and that directory is never pruned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +42,13 @@ STEP_NAME = re.compile(r"step-[0-9]{8}")
 TMP_PREFIX = ".tmp-"  # .tmp-step-NNNNNNNN-PID: a save in progress (or killed)
 OLD_PREFIX = ".old-"  # .old-step-NNNNNNNN-PID: the previous copy of a step being re-saved
 LATEST_TMP_PREFIX = ".latest.tmp-"
+BEST_TMP_PREFIX = ".best.tmp-"
 PROBE_PREFIX = ".write-test-"
+CONTRACT = "contract.json"  # the resume contract of the run that wrote the checkpoint
+BEST = "best"  # JSON: {"checkpoint": "step-NNNNNNNN", "step", "metric", "score", "time"}
+# config keys of the contract whose change `checkpoint.allow_changed` may accept -> the drafter-architecture field
+# that `check_resumable` would refuse unless told (the weights keep their shapes: only the layout changes)
+ARCH_FIELD_OF_KEY = {"drafter.block_size": "block_size", "target.layer_ids": "target_layer_ids"}
 
 
 def ensure_writable(directory: str | os.PathLike) -> Path:
@@ -76,14 +89,17 @@ class RNGState:
 
 class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, keep_last: int = 3, model: Drafter | None = None,
-                 states: dict[str, Stateful] | None = None, train_state: Stateful | None = None):
+                 states: dict[str, Stateful] | None = None, train_state: Stateful | None = None,
+                 contract: dict[str, Any] | None = None):
         """`model`, `states` and `train_state` (its keys at the top level: step, config) are what
-        `save_state`/`load_state` write and restore; without them the manager only keeps directories."""
+        `save_state`/`load_state` write and restore, and `contract` (config key -> value) is written beside
+        them as contract.json; without them the manager only keeps directories."""
         self.dir = Path(directory)
         self.keep_last = keep_last
         self.model = model
         self.states = dict(states or {})
         self.train_state = train_state
+        self.contract = contract
         self._ignored: set[str] = set()  # stray names already warned about (one warning each)
 
     def save_state(self, step: int) -> Path:
@@ -95,15 +111,23 @@ class CheckpointManager:
             if self.model is not None:
                 self.model.save(tmp)
             save_trainer_state(tmp, state)
+            if self.contract is not None:  # inside the step directory: checksummed and renamed with the rest
+                (tmp / CONTRACT).write_text(json.dumps(self.contract, indent=1, sort_keys=True) + "\n")
 
         return self.save(step, write)
 
-    def load_state(self, path: Path) -> dict[str, Any]:
+    def load_state(self, path: Path, accepted: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
         """Restore the model (refusing a differently shaped one), then every state in the order given;
-        returns the raw trainer state."""
+        returns the raw trainer state. `accepted`: contract keys whose change the user accepted
+        (checkpoint.allow_changed); the drafter's own record of them is not held against the config."""
         if self.model is not None:
             loaded = Drafter.load(path, device=next(self.model.parameters()).device)
-            check_resumable(loaded.arch, self.model.arch, path)
+            saved_arch = loaded.arch
+            for key in accepted:  # e.g. a new block size: same weights, the config's layout from now on
+                if key in ARCH_FIELD_OF_KEY:
+                    field_name = ARCH_FIELD_OF_KEY[key]
+                    saved_arch = dataclasses.replace(saved_arch, **{field_name: getattr(self.model.arch, field_name)})
+            check_resumable(saved_arch, self.model.arch, path)
             self.model.load_state_dict(loaded.state_dict())
         state = load_trainer_state(path)
         missing = [name for name in self.states if name not in state]
@@ -160,15 +184,70 @@ class CheckpointManager:
         return final
 
     def _write_latest(self, name: str) -> None:
-        tmp = self.dir / f".latest.tmp-{os.getpid()}"
-        tmp.write_text(name + "\n")
+        self._write_pointer("latest", LATEST_TMP_PREFIX, name + "\n")
+
+    def _write_pointer(self, name: str, tmp_prefix: str, text: str) -> None:
+        """Temp file, fsync, rename over `name`, fsync the directory: a reader sees the old or the new text."""
+        tmp = self.dir / f"{tmp_prefix}{os.getpid()}"
+        tmp.write_text(text)
         _fsync_path(tmp)
-        os.replace(tmp, self.dir / "latest")
+        os.replace(tmp, self.dir / name)
         _fsync_path(self.dir)
 
     def _prune(self) -> None:
+        """Keep the newest keep_last checkpoints, and the best one whatever its age."""
+        best = self.best()
+        kept = best["checkpoint"] if best is not None else None
         for old in self.list()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != kept:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ---------------------------------------------------------------------------------------- best
+    def best(self) -> dict[str, Any] | None:
+        """The `best` record ({"checkpoint", "step", "metric", "score", "time"}), or None when there is none
+        (or it is unreadable: then the next eval's checkpoint becomes the best)."""
+        pointer = self.dir / BEST
+        if not pointer.is_file():
+            return None
+        try:
+            record = json.loads(pointer.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if not (isinstance(record, dict) and isinstance(record.get("checkpoint"), str)
+                and STEP_NAME.fullmatch(record["checkpoint"]) and isinstance(record.get("score"), int | float)):
+            return None
+        return record
+
+    def best_valid(self) -> Path | None:
+        """The best checkpoint's directory when it is intact (what `dflash export` should prefer), else None."""
+        record = self.best()
+        if record is None:
+            return None
+        path = self.dir / record["checkpoint"]
+        problem = self.verify(path) if path.is_dir() else "missing"
+        if problem is not None:
+            log.warning("best checkpoint %s is unusable (%s)", path, problem)
+            return None
+        return path
+
+    def beats_best(self, score: float, metric: str = "acceptance_length") -> bool:
+        """Higher is better; a tie keeps the older best. A best of another metric is replaced."""
+        best = self.best()
+        return best is None or best.get("metric") != metric or score > best["score"]
+
+    def keep_if_best(self, step: int, score: float, metric: str = "acceptance_length") -> bool:
+        """Make checkpoint `step` (already saved) the best when `score` beats the recorded one. Order for a kill
+        at any point: the new step directory is complete (renamed into place) before the pointer moves, and the
+        previous best is pruned only after it has moved."""
+        if not self.beats_best(score, metric):
+            return False
+        path = self.path_for(step)
+        if not path.is_dir():  # a step directory exists only complete (renamed after its manifest and fsync)
+            raise RuntimeError(f"checkpoint {path} must be saved before it is made the best")  # programming error
+        record = {"checkpoint": path.name, "step": step, "metric": metric, "score": score, "time": time.time()}
+        self._write_pointer(BEST, BEST_TMP_PREFIX, json.dumps(record) + "\n")
+        self._prune()  # the previous best is an ordinary checkpoint now
+        return True
 
     def recover(self) -> list[str]:
         """At start: finish or undo what a killed save left behind; returns what was done (for the log).
@@ -181,12 +260,12 @@ class CheckpointManager:
             return done
         for entry in sorted(self.dir.iterdir()):
             name = entry.name
-            if not name.startswith((TMP_PREFIX, OLD_PREFIX, LATEST_TMP_PREFIX, PROBE_PREFIX)):
+            if not name.startswith((TMP_PREFIX, OLD_PREFIX, LATEST_TMP_PREFIX, BEST_TMP_PREFIX, PROBE_PREFIX)):
                 continue
             pid = name.rsplit("-", 1)[-1]
             if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
                 continue  # another live process is writing it
-            if name.startswith((LATEST_TMP_PREFIX, PROBE_PREFIX)):
+            if name.startswith((LATEST_TMP_PREFIX, BEST_TMP_PREFIX, PROBE_PREFIX)):
                 entry.unlink(missing_ok=True)
                 continue
             step_name = name.removeprefix(TMP_PREFIX).removeprefix(OLD_PREFIX).rsplit("-", 1)[0]
@@ -206,10 +285,27 @@ class CheckpointManager:
         if newest is not None and (not pointer.is_file() or pointer.read_text().strip() != newest.name):
             self._write_latest(newest.name)
             done.append(f"latest -> {newest.name}")
+        done += self._recover_best()
         if done:
             _fsync_path(self.dir)
             log.warning("checkpoints %s: recovered from an interrupted save: %s", self.dir, "; ".join(done))
         return done
+
+    def _recover_best(self) -> list[str]:
+        """A `best` pointer to a checkpoint that is gone, damaged or unreadable is dropped (the directory itself
+        stays, an ordinary checkpoint): the next eval then picks a new best instead of comparing with a ghost."""
+        pointer = self.dir / BEST
+        if not pointer.is_file():
+            return []
+        record = self.best()
+        problem = "unreadable" if record is None else None
+        if record is not None:
+            path = self.dir / record["checkpoint"]
+            problem = self.verify(path) if path.is_dir() else f"{record['checkpoint']} is missing"
+        if problem is None:
+            return []
+        pointer.unlink(missing_ok=True)
+        return [f"dropped the best pointer ({problem})"]
 
     def list(self) -> list[Path]:
         """The checkpoints, oldest first: directories named exactly step-NNNNNNNN (8 digits).
@@ -300,3 +396,55 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         raise BadInput(f"trainer state {path / 'trainer_state.pt'} holds objects that are not loaded for safety "
                        f"({str(exc).splitlines()[0][:200]}); it was not written by this dflash: start a new "
                        "output_dir, or export the drafter and continue from it with drafter.init_from") from None
+
+
+# ------------------------------------------------------------------------------------------ resume contract
+def read_contract(path: Path) -> dict[str, Any] | None:
+    """The resume contract a checkpoint was written with; None for a checkpoint of an earlier dflash."""
+    file = Path(path) / CONTRACT
+    if not file.is_file():
+        return None
+    record = json.loads(file.read_text())  # checksummed by the manifest: verify() vouched for it
+    if not isinstance(record, dict):
+        raise BadInput(f"{file} is not a mapping of config keys (not written by dflash): restore the checkpoint, "
+                       "or start a new output_dir")
+    return record
+
+
+def contract_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """key -> (the checkpoint's value, the config's value) for every key whose value differs. A key one side
+    lacks is None (unset) there: a setting added after the checkpoint was written trained with its default."""
+    def plain(value: Any) -> Any:  # tuples vs lists, ints vs floats: compared as JSON writes them
+        return json.loads(json.dumps(value))
+
+    changes = {}
+    for key in sorted(set(saved) | set(current)):
+        old, new = plain(saved.get(key)), plain(current.get(key))
+        if old != new and not (isinstance(old, int | float) and isinstance(new, int | float) and float(old) == float(new)):
+            changes[key] = (old, new)
+    return changes
+
+
+def check_contract(path: Path, current: dict[str, Any], allowed: list[str] | tuple[str, ...] = (),
+                   notes: dict[str, str] | None = None) -> dict[str, tuple[Any, Any]]:
+    """Compare checkpoint `path`'s contract with the config's; returns the changes the user accepted
+    (checkpoint.allow_changed), key -> (the checkpoint's value, the config's). Any other change is a BadInput naming the key, both values and the fixes: a
+    resume that silently changed the loss or the layout would mix two runs in one drafter. `notes`: a few words
+    per key shown beside the config's value (e.g. how a default was resolved)."""
+    saved = read_contract(path)
+    if saved is None:
+        log.warning("checkpoint %s holds no %s (written by an earlier dflash): resuming without checking that %s "
+                    "are unchanged", path, CONTRACT, ", ".join(sorted(current)))
+        return {}
+    changes = contract_changes(saved, current)
+    refused = {k: v for k, v in changes.items() if k not in allowed}
+    if refused:
+        notes = notes or {}
+        what = "; ".join(f"{key} is {new}{notes.get(key, '')} in the config but {old} in the checkpoint"
+                         for key, (old, new) in refused.items())
+        keys = ",".join(refused)
+        back = ", ".join(f"{key}={json.dumps(old)}" for key, (old, _) in refused.items())
+        raise BadInput(f"resume contract of checkpoint {path}: {what} (it changes the loss or the layout mid-run); "
+                       f"set it back ({back}), start a new output_dir, or accept the change with "
+                       f"checkpoint.allow_changed=[{keys}]")
+    return {k: v for k, v in changes.items() if k in allowed}

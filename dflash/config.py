@@ -107,6 +107,18 @@ class CheckpointConfig:
     interval: int = 500  # steps
     keep_last: int = 3
     resume: bool = True
+    # resume-contract keys (RESUME_CONTRACT_KEYS) whose change since the checkpoint is accepted knowingly
+    allow_changed: list[str] = field(default_factory=list)
+
+
+# The settings that change the loss or the drafter's layout: recorded in every checkpoint (contract.json) and
+# compared on resume (docs/checkpoints.md, "Resume contract"). The drafter's optional layout keys count where the
+# config has them.
+RESUME_CONTRACT_KEYS = ("drafter.block_size", "drafter.gamma", "drafter.num_anchors", "drafter.loss_impl",
+                        "drafter.num_layers", "target.layer_ids", "drafter.layer_types", "drafter.sliding_window",
+                        "drafter.rope_theta", "drafter.rope_scaling")
+# changes that no override can accept: the checkpoint's weights would not fit the config's drafter
+RESUME_SHAPE_KEYS = {"drafter.num_layers": "the drafter's number of layers (its weights)"}
 
 
 @dataclass
@@ -463,6 +475,7 @@ def validate(config: RunConfig) -> None:
     _require(o.grad_accum >= 1, f"optim.grad_accum must be >= 1 (got {o.grad_accum})")
     _require(config.checkpoint.interval >= 1, "checkpoint.interval must be >= 1")
     _require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+    validate_allow_changed(config.checkpoint.allow_changed)
     _require(config.logging.interval >= 1, "logging.interval must be >= 1")
     if config.compile.flex_kernel_options is not None:
         check_flex_options(config.compile.flex_kernel_options)
@@ -470,6 +483,17 @@ def validate(config: RunConfig) -> None:
     _require(data.regenerate is None or config.topology.mode == "colocated",
              "data.regenerate runs inside colocated trainers only; for a disaggregated run regenerate the data "
              "first with `dflash regenerate` and set data.train_path to its output")
+
+
+def validate_allow_changed(keys: list[str]) -> None:
+    """checkpoint.allow_changed names resume-contract keys whose change a resume can take."""
+    for key in keys:
+        _require(key not in RESUME_SHAPE_KEYS,
+                 f"checkpoint.allow_changed: {key} cannot be accepted on resume: it changes "
+                 f"{RESUME_SHAPE_KEYS.get(key)}, which the checkpoint's weights do not fit; start a new output_dir")
+        _require(key in RESUME_CONTRACT_KEYS,
+                 f"checkpoint.allow_changed: {key!r} is not a resume-contract key; use any of "
+                 f"{', '.join(k for k in RESUME_CONTRACT_KEYS if k not in RESUME_SHAPE_KEYS)}")
 
 
 def _check_finite(node: Any, prefix: str) -> None:

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import torch
 
 from dflash import stop
-from dflash.checkpoint import CheckpointManager, RNGState, ensure_writable
+from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
 from dflash.compile import compile_drafter, compile_target_layers, configure_for_run
-from dflash.config import RunConfig, default_gamma
+from dflash.config import RESUME_CONTRACT_KEYS, RunConfig, default_gamma
 from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
@@ -183,6 +183,7 @@ class Trainer:
         self.step = 0
         self.input_seconds = 0.0  # time spent obtaining inputs since the last report window
         self.last_eval: dict[str, Any] | None = None  # the last eval record (heartbeat, status)
+        self.accepted_changes: dict[str, tuple[Any, Any]] = {}  # resume-contract changes allowed by the config
 
     # the run's inputs and the target, as the rest of the loop reads them
     @property
@@ -246,6 +247,7 @@ class Trainer:
         self.compile_plan, compile_line = configure_for_run(c.compile, c.output_dir, self.device)
         self.observer.event(compile_line)
         resume_from = self._resume_candidate()  # before any model loads: damaged ones stop us here
+        self.accepted_changes = self._check_resume_contract(resume_from, layer_ids)  # so do changed settings
         target = self.source.open(c, layer_ids, self.device) if with_target else None
         self.inputs: RunInputs = build_run_inputs(c, target, layer_ids)
         if target is not None and self.compile_plan.target:  # after regeneration: it decodes eagerly
@@ -257,7 +259,8 @@ class Trainer:
         # the checkpoint holds the stateful parts; restored in this order (the RNG last: loading draws from it)
         self.ckpt = CheckpointManager(ckpt_dir, c.checkpoint.keep_last, model=self.drafter,
                                       states={"optimizer": self.optimizer, "scheduler": self.scheduler,
-                                              "sampler": self.sampler, "rng": RNGState()}, train_state=self)
+                                              "sampler": self.sampler, "rng": RNGState()}, train_state=self,
+                                      contract=self.resume_contract(layer_ids))
         self.resume(resume_from)
         if with_target:
             self.source.connect(self)
@@ -363,6 +366,38 @@ class Trainer:
                            "a good copy, or set checkpoint.resume=false to start fresh")
         return path
 
+    def resume_contract(self, layer_ids: list[int]) -> dict[str, Any]:
+        """The settings that change the loss or the drafter's layout, as resolved for this run (config key ->
+        value): recorded in every checkpoint, compared on resume."""
+        d = self.config.drafter
+        contract: dict[str, Any] = {
+            "drafter.block_size": d.block_size, "drafter.gamma": d.gamma or default_gamma(d.block_size),
+            "drafter.num_anchors": d.num_anchors, "drafter.loss_impl": d.loss_impl,
+            "drafter.num_layers": d.num_layers, "target.layer_ids": list(layer_ids)}
+        for key in RESUME_CONTRACT_KEYS:  # the optional layout settings (sliding window, RoPE), where set
+            section, name = key.split(".", 1)
+            value = getattr(getattr(self.config, section), name, None)
+            if key not in contract and value is not None:
+                contract[key] = value
+        return contract
+
+    def _check_resume_contract(self, path: Path | None, layer_ids: list[int]) -> dict[str, tuple[Any, Any]]:
+        """Refuse (exit 2) a resume whose config changed a contract setting, unless checkpoint.allow_changed
+        accepts it; returns the accepted changes."""
+        if path is None:
+            return {}
+        c = self.config
+        notes = {} if c.drafter.gamma else {
+            "drafter.gamma": f" (unset: the default for drafter.block_size {c.drafter.block_size})"}
+        accepted = check_contract(path, self.resume_contract(layer_ids), c.checkpoint.allow_changed, notes)
+        if "target.layer_ids" in accepted:
+            old, new = accepted["target.layer_ids"]
+            if len(old or []) != len(new):  # the fc layer takes one hidden state per tapped layer
+                raise BadInput(f"target.layer_ids {new} taps {len(new)} layers but checkpoint {path} was trained "
+                               f"on {len(old or [])} ({old}): its weights do not fit, whatever "
+                               "checkpoint.allow_changed says; tap as many layers, or start a new output_dir")
+        return accepted
+
     def _apply_optim_config(self) -> None:
         """The config's lr/betas/eps/weight_decay win over the checkpoint's (one log line when they differ)."""
         o = self.config.optim
@@ -386,8 +421,12 @@ class Trainer:
         (chosen and checked at the start of setup, before the models loaded)."""
         if path is None:
             return False
-        self.ckpt.load_state(path)
+        self.ckpt.load_state(path, accepted=list(self.accepted_changes))
         self._apply_optim_config()
+        if self.accepted_changes:
+            changed = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in self.accepted_changes.items())
+            self.observer.event(f"resume: {changed} (changed since the checkpoint; accepted by "
+                                "checkpoint.allow_changed)")
         self.observer.event(f"resumed from {path} at step {self.step}")
         return True
 
@@ -628,11 +667,25 @@ class Trainer:
                          "(evaluate the exported drafter with `dflash export` and a serving engine)")
             return None
         try:
-            return self._eval_record()
+            record = self._eval_record()
         except stop.Interrupted:
             # the steps and their checkpoint are not waited on by an eval: a stop ends it where it is
             self.observer.event(f"eval step {self.step}: interrupted by a stop request; no eval numbers for this step")
             return None
+        self._keep_if_best(record)
+        return record
+
+    def _keep_if_best(self, record: dict[str, Any] | None) -> None:
+        """The checkpoint with the best real acceptance length so far becomes `checkpoints/best` (never pruned).
+        An eval at a step without a checkpoint saves one first, only when it is a new best."""
+        score = (record or {}).get("acceptance_length")
+        if score is None or not self.ckpt.beats_best(score):
+            return
+        if not self.ckpt.path_for(self.step).is_dir():
+            self.save_checkpoint()
+        if self.ckpt.keep_if_best(self.step, score):
+            self.observer.event(f"best checkpoint: {self.ckpt.path_for(self.step).name} "
+                                f"(acceptance length {score:.3f})")
 
     def _eval_record(self) -> dict[str, Any] | None:
         stats = self.evaluate()

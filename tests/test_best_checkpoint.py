@@ -1,0 +1,155 @@
+"""The best checkpoint: `checkpoints/best` names the checkpoint with the best real acceptance length; that
+directory is never pruned by keep_last, and a kill at any point of its update leaves a valid best."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from dflash.checkpoint import BEST, BEST_TMP_PREFIX, CheckpointManager
+from dflash.config import RunConfig, _build, validate
+from dflash.train import Trainer
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
+
+
+def write_payload(text):
+    def write(tmp):
+        (tmp / "model.safetensors").write_text(text)
+        (tmp / "trainer_state.pt").write_text(text * 2)
+    return write
+
+
+def names(manager):
+    return [p.name for p in manager.list()]
+
+
+def save_and_score(manager, step, score):
+    manager.save(step, write_payload(str(step)))
+    return manager.keep_if_best(step, score)
+
+
+def test_the_best_survives_keep_last_1(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=1)
+    assert save_and_score(m, 1, 3.0)
+    for step in (2, 3):
+        m.save(step, write_payload(str(step)))
+    assert names(m) == ["step-00000001", "step-00000003"]
+    assert m.best_valid().name == "step-00000001"
+    assert m.latest_valid().name == "step-00000003"
+    record = json.loads((tmp_path / BEST).read_text())
+    assert (record["checkpoint"], record["step"], record["metric"], record["score"]) == (
+        "step-00000001", 1, "acceptance_length", 3.0)
+
+
+def test_a_better_score_moves_the_best_and_worse_ones_are_pruned(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=1)
+    assert save_and_score(m, 1, 2.0)
+    assert save_and_score(m, 2, 5.0)  # the previous best is an ordinary checkpoint now: pruned
+    assert names(m) == ["step-00000002"]
+    assert not save_and_score(m, 3, 3.0)
+    assert not save_and_score(m, 4, 5.0)  # a tie keeps the older best
+    assert names(m) == ["step-00000002", "step-00000004"]
+    assert m.best()["score"] == 5.0 and m.best_valid().name == "step-00000002"
+
+
+def test_a_kill_before_the_pointer_moves_leaves_the_previous_best(tmp_path, monkeypatch):
+    m = CheckpointManager(tmp_path, keep_last=1)
+    save_and_score(m, 1, 2.0)
+    m.save(2, write_payload("2"))  # the new best's directory is complete ...
+
+    def killed(name, tmp_prefix, text):  # ... and the process dies writing the pointer
+        (tmp_path / f"{tmp_prefix}{os.getpid()}").write_text(text[:5])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(m, "_write_pointer", killed)
+    with pytest.raises(KeyboardInterrupt):
+        m.keep_if_best(2, 4.0)
+    restarted = CheckpointManager(tmp_path, keep_last=1)
+    restarted.recover()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(BEST_TMP_PREFIX)]
+    assert restarted.best_valid().name == "step-00000001"  # the old best, still intact
+    assert names(restarted) == ["step-00000001", "step-00000002"]
+    assert restarted.keep_if_best(2, 4.0)  # the eval after the restart can make it the best
+    assert names(restarted) == ["step-00000002"]
+
+
+def test_a_kill_after_the_pointer_moved_prunes_the_old_best_at_the_next_save(tmp_path, monkeypatch):
+    m = CheckpointManager(tmp_path, keep_last=1)
+    save_and_score(m, 1, 2.0)
+    m.save(2, write_payload("2"))
+    monkeypatch.setattr(m, "_prune", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        m.keep_if_best(2, 4.0)
+    restarted = CheckpointManager(tmp_path, keep_last=1)
+    assert restarted.recover() == []
+    assert restarted.best_valid().name == "step-00000002"
+    restarted.save(3, write_payload("3"))
+    assert names(restarted) == ["step-00000002", "step-00000003"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "bitrot", "garbage pointer"])
+def test_a_best_pointer_to_a_lost_checkpoint_is_dropped_and_replaced(tmp_path, damage):
+    m = CheckpointManager(tmp_path, keep_last=3)
+    save_and_score(m, 1, 9.0)
+    m.save(2, write_payload("2"))
+    if damage == "missing":
+        import shutil
+
+        shutil.rmtree(tmp_path / "step-00000001")
+    elif damage == "bitrot":
+        (tmp_path / "step-00000001" / "model.safetensors").write_text("rot")
+    else:
+        (tmp_path / BEST).write_text("{not json")
+    assert m.best_valid() is None
+    assert any("best pointer" in line for line in m.recover())
+    assert not (tmp_path / BEST).exists()
+    assert m.keep_if_best(2, 1.0)  # a lower score than the lost best's: there is no best to beat
+    assert m.best_valid().name == "step-00000002"
+
+
+# ------------------------------------------------------------------------------------ in the trainer
+SCORES = {2: 2.0, 4: 4.0, 6: 3.0, 8: 1.0}  # real acceptance length per eval step
+
+
+def small_config(tmp_path) -> RunConfig:
+    d = yaml.safe_load(TINY.read_text())
+    d = copy.deepcopy(d)
+    d["output_dir"] = str(tmp_path / "run")
+    d["data"]["regenerate"] = None
+    d["data"]["synthetic"]["num_samples"] = 64
+    d["optim"]["max_steps"] = 8
+    d["checkpoint"].update(interval=3, keep_last=1)  # eval steps 2 and 4 have no interval checkpoint
+    d["logging"].update(interval=2, eval_interval=2)
+    cfg = _build(RunConfig, d, "")
+    validate(cfg)
+    return cfg
+
+
+def scripted_real_eval(trainer):
+    """The real acceptance length of step N is SCORES[N] (speculative decoding itself: tests/test_speculative.py)."""
+    def speculative_eval():
+        prompt = SimpleNamespace(lossless=True)
+        return SimpleNamespace(acceptance_length=SCORES[trainer.step], lossless=True, prompts=[prompt], speedup=None)
+    return speculative_eval
+
+
+def test_the_run_keeps_the_best_eval_while_later_worse_ones_are_pruned(tmp_path):
+    trainer = Trainer(small_config(tmp_path)).setup()
+    trainer.speculative_eval = scripted_real_eval(trainer)
+    result = trainer.run()
+    assert result["step"] == 8 and result["eval_acceptance_length"] == 1.0
+    ckpt = trainer.ckpt
+    # step 2 was saved as a best and pruned when step 4 beat it; 6 and 8 scored lower: only interval/final saves
+    assert names(ckpt) == ["step-00000004", "step-00000008"]
+    assert ckpt.best_valid().name == "step-00000004"
+    assert (ckpt.best()["step"], ckpt.best()["score"]) == (4, 4.0)
+    assert ckpt.latest_valid().name == "step-00000008"
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["acceptance_length"] for e in events if e.get("kind") == "eval"] == [2.0, 4.0, 3.0, 1.0, 1.0]
