@@ -50,6 +50,36 @@ class DrafterConfig:
     intermediate_size: int | None = None  # default: the target's
     num_attention_heads: int | None = None  # default: the target's
     num_key_value_heads: int | None = None  # default: the target's
+    # per layer full_attention or sliding_attention (SGLang/vLLM semantics: dflash.models.attention); None = all full
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included; required with one
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # a drafter layer's attention (dflash.models.attention)
+
+
+def check_layout(layer_types: list[str] | None, sliding_window: int | None, num_layers: int, types_key: str,
+                 window_key: str) -> None:
+    """One readable ConfigError per impossible attention layout; the keys named as the caller spells them."""
+    if layer_types is None:
+        if sliding_window is not None:
+            raise ConfigError(f"{window_key} is {sliding_window} but no layer slides; set {types_key} (e.g. "
+                              f"['sliding_attention', ..., 'full_attention']) or remove {window_key}")
+        return
+    if isinstance(layer_types, str) or len(layer_types) != num_layers:
+        raise ConfigError(f"{types_key} must list one of {', '.join(LAYER_TYPES)} per drafter layer "
+                          f"({num_layers}); got {layer_types!r}")
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        raise ConfigError(f"{types_key}: {', '.join(map(repr, unknown))} is not a drafter layer type; use "
+                          f"{' or '.join(LAYER_TYPES)}")
+    sliding = "sliding_attention" in layer_types
+    if sliding and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ConfigError(f"{types_key} has sliding_attention layers: set {window_key} to their window in tokens "
+                          f"(a positive integer, e.g. 2048; got {sliding_window!r})")
+    if not sliding and sliding_window is not None:
+        raise ConfigError(f"{window_key} is {sliding_window} but {types_key} has no sliding_attention layer; "
+                          f"make some layers sliding_attention or remove {window_key}")
 
 
 @dataclass
@@ -429,6 +459,7 @@ def validate(config: RunConfig) -> None:
     _require(d.num_anchors >= 1, f"drafter.num_anchors must be >= 1 (got {d.num_anchors})")
     _require(d.gamma is None or d.gamma > 0, f"drafter.gamma must be > 0 (got {d.gamma})")
     _require(d.loss_chunk_size >= 1, "drafter.loss_chunk_size must be >= 1")
+    check_layout(d.layer_types, d.sliding_window, d.num_layers, "drafter.layer_types", "drafter.sliding_window")
     _require(data.synthetic is not None or data.train_path is not None,
              "data: set data.train_path (a JSONL file) or data.synthetic (generated data)")
     if data.train_path is not None and data.synthetic is None:

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dflash.models.drafter import Drafter, apply_rope, rope_cos_sin
+from dflash.models.attention import FULL, LayerMask, dense_mask
+from dflash.models.drafter import Drafter, apply_rope, arch_rope_cos_sin
 from dflash.models.target import Target
 
 
@@ -184,7 +185,7 @@ class DrafterSession:
         ctx = self.drafter.hidden_norm(self.drafter.fc(features.to(self.device, self.dtype)[None]))
         n = ctx.shape[1]
         pos = torch.arange(self.length, self.length + n, device=self.device)[None]
-        cos, sin = rope_cos_sin(pos, d, a.rope_theta, self.dtype)
+        cos, sin = arch_rope_cos_sin(a, pos, self.dtype)
         for i, layer in enumerate(self.drafter.layers):
             att = layer.self_attn
             k = apply_rope(att.k_norm(att.k_proj(ctx).view(1, n, -1, d)).transpose(1, 2), cos, sin)
@@ -200,7 +201,7 @@ class DrafterSession:
         bs = block.shape[0]
         x = self.embed(block.to(self.embed.weight.device)[None]).to(self.device, self.dtype)
         pos = torch.arange(self.length, self.length + bs, device=self.device)[None]
-        cos, sin = rope_cos_sin(pos, d, a.rope_theta, self.dtype)
+        cos, sin = arch_rope_cos_sin(a, pos, self.dtype)
         for i, layer in enumerate(self.drafter.layers):
             att = layer.self_attn
             h = layer.input_layernorm(x)
@@ -209,10 +210,20 @@ class DrafterSession:
             v = att.v_proj(h).view(1, bs, -1, d).transpose(1, 2)
             if self.keys[i] is not None:
                 k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+            mask = self.block_mask(att.layer_mask, bs)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
             x = x + att.o_proj(out.transpose(1, 2).reshape(1, bs, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.drafter.norm(x)[0]
+
+    def block_mask(self, layer: LayerMask, block_size: int) -> torch.Tensor | None:
+        """The training mask of one block anchored at `self.length` over [cached context ; block]: the same
+        predicate (a sliding layer's window, in-block causality) as in training; None for a full layer, which
+        sees every key (the cache holds only positions before the anchor)."""
+        if layer == FULL:
+            return None
+        anchors = torch.tensor([[self.length]], device=self.device)
+        return dense_mask(anchors, self.length, block_size, layer)
 
     @torch.no_grad()
     def propose(self, first_token: int, vocab_limit: int | None) -> torch.Tensor:

@@ -3,11 +3,26 @@
 Keys are laid out as [context (T positions) ; blocks (m*B positions)], queries as [blocks (m*B)].
 Two equivalent implementations: a dense boolean mask for SDPA (CPU, reference) and a flex_attention
 BlockMask (CUDA). Both read the same predicate, `visible`.
+
+A drafter layer is `full_attention` (the paper's layer: the whole context before the anchor, its block
+bidirectionally) or `sliding_attention` (a `LayerMask` with a window, causal inside the block), with the
+semantics serving engines apply to DFlash drafters, followed here exactly:
+* sglang `python/sglang/srt/models/dflash.py` (`_get_dflash_layer_attention_params`): a sliding layer is a
+  causal (DECODER) attention with window_left = sliding_window - 1 (`dflash_utils.py`: "HF sliding windows
+  include the current token"); a full layer is bidirectional (ENCODER_ONLY);
+* z-lab `dflash/model.py` (`Qwen3DFlashAttention`, `_attention_mask`): `is_causal` unset means causal for
+  sliding layers, bidirectional for full ones; a key is inside the window when
+  `query_position - key_position < sliding_window` (and, for a non-causal window, also
+  `key_position - query_position < sliding_window`), positions being absolute token positions;
+* SpecForge `specforge/modeling/draft/dflash_mask.py` (`create_dflash_sdpa_mask`), the same in training: the
+  window is measured from the query's own position anchor + offset, not from the anchor ("the current draft
+  token occupies one slot in the window").
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,29 +30,76 @@ import torch.nn.functional as F
 from dflash.config import FLEX_MASK_TILE, check_flex_options
 
 
-def visible(q_idx, kv_idx, anchors_b, ctx_len: int, block_size: int):
+@dataclass(frozen=True)
+class LayerMask:
+    """What one drafter layer's queries see: `window` None = the whole context before the anchor, else the
+    keys less than `window` positions before the query (the query itself counted, as in Hugging Face);
+    `causal`: inside the block, only the block's earlier positions and the query's own."""
+
+    window: int | None = None
+    causal: bool = False
+
+
+FULL = LayerMask()
+
+
+def visible(q_idx, kv_idx, anchors_b, ctx_len: int, block_size: int, layer: LayerMask = FULL):
     """True where query `q_idx` (a block token) may attend key `kv_idx`. `anchors_b`: (m,) of one sequence."""
     block = q_idx // block_size
     in_ctx = kv_idx < ctx_len
     ctx_ok = kv_idx < anchors_b[block]  # strictly before the anchor
     own_block = (kv_idx - ctx_len) // block_size == block
+    if layer == FULL:  # the paper's layer, computed exactly as before layouts existed
+        return torch.where(in_ctx, ctx_ok, own_block)
+    offset, kv_offset = q_idx % block_size, (kv_idx - ctx_len) % block_size
+    if layer.window is not None:  # measured from the query's own position, anchor + offset
+        ctx_ok = ctx_ok & (anchors_b[block] + offset - kv_idx < layer.window)
+        own_block = own_block & (offset - kv_offset < layer.window)
+        if not layer.causal:
+            own_block = own_block & (kv_offset - offset < layer.window)
+    if layer.causal:
+        own_block = own_block & (kv_offset <= offset)
     return torch.where(in_ctx, ctx_ok, own_block)
 
 
-def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, layer: LayerMask = FULL) -> torch.Tensor:
     """(b, 1, m*B, T+m*B) boolean mask for SDPA."""
     b, m = anchors.shape
     q_idx = torch.arange(m * block_size, device=anchors.device)[:, None]
     kv_idx = torch.arange(ctx_len + m * block_size, device=anchors.device)[None, :]
-    masks = [visible(q_idx, kv_idx, anchors[i], ctx_len, block_size) for i in range(b)]
+    masks = [visible(q_idx, kv_idx, anchors[i], ctx_len, block_size, layer) for i in range(b)]
     return torch.stack(masks)[:, None]
 
 
+def row_key_intervals(anchors: torch.Tensor, rows: torch.Tensor, ctx_len: int, block_size: int,
+                      layer: LayerMask) -> tuple[torch.Tensor, ...]:
+    """The two key intervals query row `rows` sees, [ctx_lo, ctx_hi) and [own_lo, own_hi): (b, rows, 1) and
+    (rows, 1) tensors. Rows past the last block are clamped to it (their keys are discarded by the caller)."""
+    m = anchors.shape[1]
+    blk = (rows // block_size).clamp(max=m - 1)
+    offset = rows - blk * block_size
+    anchor = anchors[:, blk]
+    ctx_hi = anchor.clamp(max=ctx_len)[..., None]
+    ctx_lo = torch.zeros_like(ctx_hi)
+    start = (ctx_len + blk * block_size)[:, None]
+    lo_off, hi_off = torch.zeros_like(offset), torch.full_like(offset, block_size)
+    if layer.window is not None:
+        ctx_lo = (anchor + offset - layer.window + 1).clamp(min=0)[..., None]
+        lo_off = (offset - layer.window + 1).clamp(min=0)
+        if not layer.causal:
+            hi_off = (offset + layer.window).clamp(max=block_size)
+    if layer.causal:
+        hi_off = torch.minimum(hi_off, offset + 1)
+    return ctx_lo, ctx_hi, start + lo_off[:, None], start + hi_off[:, None]
+
+
 @torch.compiler.disable  # eager even inside a compiled drafter forward: see the docstring
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_MASK_TILE):
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_MASK_TILE,
+                    layer: LayerMask = FULL):
     """BlockMask of `visible`, built from its structure instead of evaluating the predicate everywhere.
 
-    Row r (block r // B, anchor a) sees the context [0, a) and its own block's keys, so the number of keys
+    Row r (block r // B, anchor a) sees the context [0, a) and its own block's keys (a sliding layer: the
+    parts of both inside its window; a causal one: the block up to the row), so the number of keys
     it sees in a kv tile is the overlap of two intervals with the tile. A tile is *full* when every row of
     the q tile sees all of it, *partial* (mask_mod applied) when some row sees some of it. Tiles that cross
     the end of Q or KV are never full, as in `create_block_mask`, which pads the dense mask with False.
@@ -54,13 +116,11 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
     nq, nkv = -(-q_len // tile), -(-kv_len // tile)
     dev = anchors.device
     rows = torch.arange(nq * tile, device=dev)
-    blk = (rows // block_size).clamp(max=m - 1)
     lo = torch.arange(nkv, device=dev) * tile  # kv tile starts
     hi = (lo + tile).clamp(max=kv_len)  # ends, clipped to the real keys
-    ctx_end = anchors[:, blk].clamp(max=ctx_len)[..., None]  # (b, rows, 1): context [0, a)
-    seen = (torch.minimum(hi, ctx_end) - lo).clamp(min=0)
-    own_lo = (ctx_len + blk * block_size)[:, None]  # (rows, 1): own block [own_lo, own_lo + B)
-    seen = seen + (torch.minimum(hi, own_lo + block_size) - torch.maximum(lo, own_lo)).clamp(min=0)
+    ctx_lo, ctx_hi, own_lo, own_hi = row_key_intervals(anchors, rows, ctx_len, block_size, layer)
+    seen = (torch.minimum(hi, ctx_hi) - torch.maximum(lo, ctx_lo)).clamp(min=0)
+    seen = seen + (torch.minimum(hi, own_hi) - torch.maximum(lo, own_lo)).clamp(min=0)
     seen = (seen * (rows < q_len)[:, None]).view(b, nq, tile, nkv)  # padded rows see nothing
     full = (seen == tile).all(2)
     partial = (seen > 0).any(2) & ~full
@@ -71,31 +131,38 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
         return count, order[:, None]
 
     def mask_mod(bi, _h, q_idx, kv_idx):
-        return visible(q_idx, kv_idx, anchors[bi], ctx_len, block_size)
+        return visible(q_idx, kv_idx, anchors[bi], ctx_len, block_size, layer)
 
     return BlockMask.from_kv_blocks(*blocks_of(partial), *blocks_of(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
                                     seq_lengths=(q_len, kv_len))
 
 
 class AttentionBackend:
-    """Builds the mask once per batch and runs every layer's attention with it."""
+    """Builds the masks once per batch (one per distinct layer layout) and runs every layer's attention."""
 
-    def __init__(self, kind: str, anchors: torch.Tensor, ctx_len: int, block_size: int, compiled=None):
+    def __init__(self, kind: str, anchors: torch.Tensor, ctx_len: int, block_size: int, compiled=None,
+                 layers: tuple[LayerMask, ...] = (FULL,)):
         self.kind = kind
         if kind == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 
-            self.mask = flex_block_mask(anchors, ctx_len, block_size)
+            self.masks = {layer: flex_block_mask(anchors, ctx_len, block_size, layer=layer)
+                          for layer in dict.fromkeys(layers)}
             self._flex = compiled if compiled is not None else flex_attention  # `or` breaks dynamo graphs
         else:
-            self.mask = dense_mask(anchors, ctx_len, block_size)
+            self.masks = {layer: dense_mask(anchors, ctx_len, block_size, layer) for layer in dict.fromkeys(layers)}
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def mask(self):
+        """The full-attention layers' mask (the only one of a drafter without sliding layers)."""
+        return self.masks.get(FULL, next(iter(self.masks.values())))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerMask = FULL) -> torch.Tensor:
         """q: (b, hq, Lq, d); k, v: (b, hkv, Lk, d)."""
         gqa = q.shape[1] != k.shape[1]
         if self.kind == "flex":
-            return self._flex(q, k, v, block_mask=self.mask, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+            return self._flex(q, k, v, block_mask=self.masks[layer], enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[layer], enable_gqa=gqa)
 
 
 # flex_attention's kernel tiles chosen by measurement at the drafter's training shape (bench/flex_tiles.py,

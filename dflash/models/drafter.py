@@ -4,6 +4,8 @@
 * every layer: Q from the block only; K, V from [c ; block] with the layer's own projections
 * block = [x_a, MASK, ..., MASK] at positions a .. a+B-1; position k predicts x_{a+k}
 * embeddings and LM head are the target's, frozen, never stored in the drafter checkpoint
+* each layer is `full_attention` or `sliding_attention` (`layer_types`, `sliding_window`: the masks in
+  dflash.models.attention); RoPE is plain (`rope_theta`) or scaled as transformers scales it (`rope_scaling`)
 """
 
 from __future__ import annotations
@@ -18,9 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.errors import BadInput
-from dflash.models.attention import AttentionBackend
+from dflash.config import check_layout
+from dflash.errors import BadInput, ConfigError
+from dflash.logs import get_logger
+from dflash.models.attention import FULL, AttentionBackend, LayerMask
 from dflash.models.target import check_rope, rope_of
+
+log = get_logger(__name__)
+
+# RoPE types whose frequencies transformers computes once (ROPE_INIT_FUNCTIONS); `dynamic` and `longrope`
+# change them with the sequence length at run time, which the drafter does not reproduce: refused
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 @dataclass
@@ -39,7 +49,44 @@ class DrafterArch:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
     num_target_layers: int = 0
+    layer_types: list[str] | None = None  # one per layer; None = all full_attention
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included (Hugging Face's count)
+    is_causal: bool | None = None  # in-block causality for every layer; None = sliding layers causal, full not
+    rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters without rope_theta; None = plain
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_layout(self.layer_types, self.sliding_window, self.num_hidden_layers, "layer_types", "sliding_window")
+        check_rope_scaling(self.rope_scaling, "rope_scaling")
+
+    def layer_type(self, index: int) -> str:
+        return self.layer_types[index] if self.layer_types else "full_attention"
+
+    def layer_mask(self, index: int) -> LayerMask:
+        """What layer `index`'s queries see (the semantics: dflash.models.attention)."""
+        sliding = self.layer_type(index) == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return LayerMask(self.sliding_window if sliding else None, causal)
+
+    def layout_fields(self) -> dict[str, Any]:
+        """The attention layout in transformers' Qwen3 names. `layer_types` is the authority (SGLang, vLLM,
+        z-lab and transformers read it); `max_window_layers` (older readers: layers from this index on slide)
+        is that index where the layout has the form full..., sliding..., else the layer count."""
+        types = [self.layer_type(i) for i in range(self.num_hidden_layers)]
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        tail = sliding and sliding == list(range(sliding[0], self.num_hidden_layers))
+        fields = {"layer_types": types, "use_sliding_window": bool(sliding),
+                  "sliding_window": self.sliding_window if sliding else None,
+                  "max_window_layers": sliding[0] if tail else self.num_hidden_layers}
+        if self.is_causal is not None:
+            fields["is_causal"] = self.is_causal
+        return fields
+
+    def rope_fields(self) -> dict[str, Any]:
+        """Both spellings: `rope_theta`/`rope_scaling` (transformers 4.x, SGLang) and `rope_parameters` (5.x)."""
+        scaling = dict(self.rope_scaling) if self.rope_scaling else None
+        return {"rope_theta": self.rope_theta, "rope_scaling": scaling,
+                "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}}
 
     def to_hf_config(self) -> dict[str, Any]:
         """config.json in the layout serving engines load."""
@@ -54,13 +101,14 @@ class DrafterArch:
             "head_dim": self.head_dim,
             "vocab_size": self.vocab_size,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
+            **self.rope_fields(),
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
             "attention_bias": False,
             "tie_word_embeddings": False,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
+            **self.layout_fields(),
             "dflash_config": {
                 "target_layer_ids": list(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id,
@@ -70,7 +118,8 @@ class DrafterArch:
         }
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> DrafterArch:
+    def from_hf_config(cls, cfg: dict[str, Any], source: str = "drafter config.json") -> DrafterArch:
+        check_known_keys(cfg, source)
         dcfg = cfg.get("dflash_config") or {}
         block_size = cfg.get("block_size", dcfg.get("block_size"))
         missing = [k for k, v in (("block_size", block_size), ("dflash_config.target_layer_ids",
@@ -78,7 +127,8 @@ class DrafterArch:
                                   dcfg.get("mask_token_id"))) if v is None]
         if missing:
             raise ValueError(f"drafter config.json lacks {', '.join(missing)}")
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)
+        rope_theta, rope_scaling = rope_of_hf_config(cfg, source)
+        layer_types, sliding_window = layout_of_hf_config(cfg, source)
         heads = cfg["num_attention_heads"]
         return cls(
             hidden_size=cfg["hidden_size"],
@@ -95,6 +145,10 @@ class DrafterArch:
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 40960),
             num_target_layers=cfg.get("num_target_layers", 0),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            is_causal=causal_of_hf_config(cfg),
+            rope_scaling=rope_scaling,
         )
 
 
@@ -119,6 +173,38 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
+_SCALED_ROPE: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
+def scaled_rope_frequencies(arch: DrafterArch, device=None) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling of a scaled RoPE, from transformers' own ROPE_INIT_FUNCTIONS on a
+    Qwen3Config of the drafter's geometry: the numbers transformers' Qwen3RotaryEmbedding rotates with.
+    Computed once per process and geometry (every forward asks)."""
+    params = {**arch.rope_scaling, "rope_theta": arch.rope_theta}
+    key = (json.dumps(params, sort_keys=True), arch.hidden_size, arch.num_attention_heads, arch.head_dim,
+           arch.max_position_embeddings, str(device))
+    if key not in _SCALED_ROPE:
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        config = Qwen3Config(hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+                             head_dim=arch.head_dim, max_position_embeddings=arch.max_position_embeddings,
+                             rope_parameters=params)
+        _SCALED_ROPE[key] = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, device)
+    return _SCALED_ROPE[key]
+
+
+def arch_rope_cos_sin(arch: DrafterArch, positions: torch.Tensor, dtype: torch.dtype):
+    """The drafter's rotation at `positions` (b, L): cos, sin (b, 1, L, head_dim). Scaled as transformers'
+    Qwen3RotaryEmbedding computes it (float32 frequencies, cos/sin times the attention scaling)."""
+    if not arch.rope_scaling:
+        return rope_cos_sin(positions, arch.head_dim, arch.rope_theta, dtype)
+    inv_freq, scaling = scaled_rope_frequencies(arch, positions.device)
+    freqs = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype)[:, None], (emb.sin() * scaling).to(dtype)[:, None]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -129,9 +215,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DrafterAttention(nn.Module):
-    def __init__(self, a: DrafterArch):
+    def __init__(self, a: DrafterArch, layer_mask: LayerMask = FULL):
         super().__init__()
         self.a = a
+        self.layer_mask = layer_mask
         self.q_proj = nn.Linear(a.hidden_size, a.num_attention_heads * a.head_dim, bias=False)
         self.k_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
         self.v_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
@@ -149,7 +236,7 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(kv_in).view(b, lk, -1, d).transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
-        out = attend(q, k, v)
+        out = attend(q, k, v, self.layer_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, lq, -1))
 
 
@@ -165,10 +252,10 @@ class DrafterMLP(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, a: DrafterArch):
+    def __init__(self, a: DrafterArch, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = DrafterAttention(a)
+        self.self_attn = DrafterAttention(a, a.layer_mask(index))
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = DrafterMLP(a)
 
@@ -186,7 +273,7 @@ class Drafter(nn.Module):
         n = len(arch.target_layer_ids)
         self.fc = nn.Linear(n * arch.hidden_size, arch.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DrafterLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.reset_parameters()
 
@@ -208,9 +295,10 @@ class Drafter(nn.Module):
         x = embed(block_ids).reshape(b, m * bs, -1).to(ctx.dtype)
         ctx_pos = torch.arange(t, device=anchors.device).expand(b, t)
         block_pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).reshape(b, m * bs)
-        rope_q = rope_cos_sin(block_pos, a.head_dim, a.rope_theta, x.dtype)
-        rope_k = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), a.head_dim, a.rope_theta, x.dtype)
-        attend = AttentionBackend(attention_kind, anchors, t, bs, compiled_flex)
+        rope_q = arch_rope_cos_sin(a, block_pos, x.dtype)
+        rope_k = arch_rope_cos_sin(a, torch.cat([ctx_pos, block_pos], dim=1), x.dtype)
+        layouts = tuple(layer.self_attn.layer_mask for layer in self.layers)
+        attend = AttentionBackend(attention_kind, anchors, t, bs, compiled_flex, layouts)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, attend)
         return self.norm(x).reshape(b, m, bs, -1)
@@ -234,7 +322,7 @@ class Drafter(nn.Module):
 
         directory = Path(directory)
         cfg = json.loads((directory / "config.json").read_text())
-        model = cls(DrafterArch.from_hf_config(cfg))
+        model = cls(DrafterArch.from_hf_config(cfg, f"drafter config {directory / 'config.json'}"))
         state = load_file(str(directory / "model.safetensors"), device=str(device))
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -243,9 +331,121 @@ class Drafter(nn.Module):
         return model.to(device)
 
 
+# --------------------------------------------------------------------------------- layout, RoPE, foreign keys
+def check_rope_scaling(rope_scaling: dict[str, Any] | None, key: str) -> None:
+    """A scaled RoPE is implemented for the types transformers computes once; the others are refused by name."""
+    if not rope_scaling:
+        return
+    kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+    if kind not in STATIC_ROPE_TYPES:
+        raise ConfigError(f"{key}: rope_type {kind!r} is not implemented for the drafter (only "
+                          f"{', '.join(STATIC_ROPE_TYPES)}; dynamic and longrope change with the sequence length); "
+                          "use a drafter config with one of those, or none")
+
+
+def rope_of_hf_config(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and the scaling (transformers' rope_parameters minus rope_theta; None = plain RoPE) of a
+    config.json that writes `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x), or both:
+    two spellings that disagree are refused rather than one of them dropped."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 1_000_000.0
+    for spelling in (params, scaling):
+        spelling.pop("rope_theta", None)
+        if "type" in spelling and "rope_type" not in spelling:  # the oldest spelling
+            spelling["rope_type"] = spelling.pop("type")
+    if params.get("rope_type", "default") == "default" and len(params) <= 1:
+        params = {}
+    if params and scaling and params != scaling:
+        raise ConfigError(f"{source}: rope_parameters {params} and rope_scaling {scaling} disagree; keep one of "
+                          "them (or make them equal)")
+    found = params or scaling or None
+    if found is not None and found.get("rope_type", "default") == "default" and len(found) <= 1:
+        found = None
+    if found is not None:
+        found.setdefault("rope_type", "default")
+        check_rope_scaling(found, f"{source}: rope_scaling")
+    return float(theta), found
+
+
+def layout_of_hf_config(cfg: dict[str, Any], source: str) -> tuple[list[str] | None, int | None]:
+    """layer_types and sliding_window of a released drafter's config.json, read as SGLang, vLLM and z-lab read
+    them (an explicit `layer_types`). Where those readers would disagree, refuse: `use_sliding_window: false`
+    beside sliding layers (transformers then drops the window that SGLang applies), or a window without
+    `layer_types` (transformers derives sliding layers from max_window_layers; SGLang runs them all full)."""
+    types, window = cfg.get("layer_types"), cfg.get("sliding_window")
+    sliding = bool(types) and "sliding_attention" in types
+    if sliding and cfg.get("use_sliding_window") is False:
+        raise ConfigError(f"{source}: layer_types has sliding_attention layers but use_sliding_window is false "
+                          "(serving engines disagree on such a drafter); set use_sliding_window to true")
+    if not types and cfg.get("use_sliding_window") and window is not None:
+        raise ConfigError(f"{source}: use_sliding_window is true but layer_types is missing (serving engines "
+                          "disagree on which layers slide); write layer_types, one entry per layer")
+    if not sliding:
+        window = None  # Qwen3 configs carry a window (e.g. 4096) that no layer uses
+    if types and all(t == "full_attention" for t in types):
+        types = None
+    if types is not None:
+        check_layout(list(types), window, cfg.get("num_hidden_layers", len(types)), f"{source}: layer_types",
+                     f"{source}: sliding_window")
+    return (list(types) if types else None), window
+
+
+def causal_of_hf_config(cfg: dict[str, Any]) -> bool | None:
+    """In-block causality as vLLM resolves it: `is_causal`, else `dflash_config.causal`, else None (the layer
+    type's default: sliding causal, full bidirectional)."""
+    value = cfg.get("is_causal")
+    if value is None:
+        value = (cfg.get("dflash_config") or {}).get("causal")
+    return None if value is None else bool(value)
+
+
+# Top-level config.json keys the drafter implements (read by from_hf_config) or that cannot change its math
+# (bookkeeping, the target's tokens, inference-only switches). Any other key may change the math: refused.
+IMPLEMENTED_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "block_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "num_target_layers", "layer_types", "sliding_window", "use_sliding_window",
+    "max_window_layers", "is_causal", "dflash_config", "hidden_act", "attention_bias", "model_type",
+}
+HARMLESS_KEYS = {
+    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "bos_token_id",
+    "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "tie_word_embeddings", "attention_dropout",
+    "dflash_exported_from", "output_hidden_states", "return_dict", "output_attentions", "id2label", "label2id",
+    "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "eagle_aux_hidden_state_layer_ids",
+}
+DFLASH_CONFIG_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "causal", "num_target_layers"}
+HARMLESS_DFLASH_KEYS = {"mask_token"}  # the token's text; its id is mask_token_id
+# keys that are harmless at one value only (the value the drafter computes with)
+NEUTRAL_VALUES = {"hidden_act": "silu", "attention_bias": False, "model_type": "qwen3"}
+
+
+def check_known_keys(cfg: dict[str, Any], source: str) -> None:
+    """A drafter config.json from outside (drafter.init_from, a released checkpoint) with keys the drafter does
+    not implement is refused (exit 2) naming them: dropping one would train or decode another model."""
+    unknown = sorted(k for k in cfg if k not in IMPLEMENTED_KEYS | HARMLESS_KEYS)
+    dcfg = cfg.get("dflash_config") or {}
+    unknown += sorted(f"dflash_config.{k}" for k in dcfg if k not in DFLASH_CONFIG_KEYS | HARMLESS_DFLASH_KEYS)
+    wrong = [f"{k}={cfg[k]!r}" for k, want in NEUTRAL_VALUES.items() if k in cfg and cfg[k] != want]
+    if unknown or wrong:
+        parts = ([f"keys it does not implement: {', '.join(unknown)}"] if unknown else []) + (
+            [f"values it does not implement: {', '.join(wrong)} (it computes with "
+             f"{', '.join(f'{k}={v!r}' for k, v in NEUTRAL_VALUES.items())})"] if wrong else [])
+        raise ConfigError(f"{source} has {'; '.join(parts)}; the drafter would compute something else than the "
+                          "checkpoint was trained for: use a DFlash drafter of the Qwen3 layout, or remove them")
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and list(aux) != [i + 1 for i in dcfg.get("target_layer_ids", [])]:
+        raise ConfigError(f"{source}: eagle_aux_hidden_state_layer_ids {aux} is not dflash_config.target_layer_ids "
+                          "+ 1 (vLLM's offset); make them agree or remove eagle_aux_hidden_state_layer_ids")
+    if cfg.get("attention_dropout"):
+        log.warning(f"{source}: attention_dropout {cfg['attention_dropout']} is not applied (the drafter trains "
+                    "without dropout; inference never uses it)")
+
+
 def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, layer_ids: list[int],
                      mask_token_id: int, vocab_size: int, intermediate_size: int | None = None,
                      num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                     layer_types: list[str] | None = None, sliding_window: int | None = None,
                      ) -> DrafterArch:
     tc = getattr(target_config, "text_config", None) or target_config
     heads = num_attention_heads or tc.num_attention_heads
@@ -272,6 +472,8 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
         rope_theta=float(theta),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 40960),
         num_target_layers=tc.num_hidden_layers,
+        layer_types=list(layer_types) if layer_types else None,
+        sliding_window=sliding_window,
     )
 
 

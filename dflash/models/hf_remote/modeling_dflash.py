@@ -13,6 +13,12 @@ The drafter (arXiv 2602.06036): the tapped target hidden states are fused, `c = 
 every layer takes Q from the block only and K, V from [c ; block] with its own projections; RoPE at absolute
 positions; the block attends to all of it (no causal mask). Embeddings and LM head are the target's.
 
+Layers are `full_attention` (as above) or `sliding_attention` (`layer_types`, `sliding_window`): as SGLang
+(`srt/models/dflash.py`: a causal attention with window_left = sliding_window - 1) and z-lab (`dflash/model.py`,
+`_attention_mask`) run them, a sliding layer's query at position p sees keys at positions k with
+p - k < sliding_window and, inside the block, only k <= p (`is_causal` overrides the causality for every layer).
+A scaled RoPE (`rope_parameters`/`rope_scaling`, e.g. yarn) rotates with transformers' own frequencies.
+
 `forward` follows the signature of z-lab's public `DFlashDraftModel.forward`: `position_ids` covers the new
 context positions followed by the block positions; with a KV cache (`past_key_values`) the context of earlier
 calls is already in the cache, so callers pass only the new context features, and crop the cache back to the
@@ -38,13 +44,50 @@ def _dflash_value(config, name: str, default=None):
     return getattr(config, name, default)
 
 
-def _rope_theta(config) -> float:
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # frequencies fixed once (as the trainer's)
+
+
+def _rope_params(config) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-    if rope_type not in (None, "default"):
-        raise ValueError(f"DFlash drafter: rope_type {rope_type!r} is not supported (only 'default')")
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return dict(params) if isinstance(params, dict) else {}
+
+
+def _rope_type(config) -> str:
+    params = _rope_params(config)
+    return params.get("rope_type") or params.get("type") or "default"
+
+
+def _rope_theta(config) -> float:
+    theta = _rope_params(config).get("rope_theta")
     return float(theta or getattr(config, "rope_theta", None) or 1_000_000.0)
+
+
+def _layer_attention(config, layer_idx: int) -> tuple[int | None, bool]:
+    """(sliding window or None, in-block causal) of one layer: `is_causal`, else `dflash_config.causal`, else
+    causal exactly for sliding layers (vLLM's and z-lab's resolution)."""
+    types = getattr(config, "layer_types", None)
+    sliding = bool(types) and types[layer_idx] == "sliding_attention"
+    window = getattr(config, "sliding_window", None) if sliding else None
+    if sliding and window is None:
+        raise ValueError("DFlash drafter: sliding_attention layers need config.sliding_window (and "
+                         "use_sliding_window: true, or transformers drops the window)")
+    causal = getattr(config, "is_causal", None)
+    if causal is None:
+        causal = (getattr(config, "dflash_config", None) or {}).get("causal")
+    return window, sliding if causal is None else bool(causal)
+
+
+def _layout_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor:
+    """(b, 1, q_len, k_len) boolean, True = attend; positions are absolute token positions."""
+    q, k = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    visible = torch.ones(q.shape[0], 1, q.shape[2], k.shape[3], dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
 
 
 class DFlashRMSNorm(nn.Module):
@@ -66,14 +109,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DFlashRotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, config=None):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.config = config
+        self.rope_type = _rope_type(config) if config is not None else "default"
+        if self.rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(f"DFlash drafter: rope_type {self.rope_type!r} is not supported (only "
+                             f"{', '.join(STATIC_ROPE_TYPES)})")
+        self._scaled = {}  # device -> (inv_freq, attention_scaling), computed at the first call (not on meta)
+
+    def scaled(self, device):
+        """inv_freq and attention scaling of a scaled RoPE, from transformers' own ROPE_INIT_FUNCTIONS."""
+        if device not in self._scaled:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            self._scaled[device] = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device)
+        return self._scaled[device]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """position_ids (b, L) -> cos, sin of shape (b, 1, L, head_dim), in `dtype`."""
         d = self.head_dim
+        if self.rope_type != "default":
+            inv_freq, scaling = self.scaled(position_ids.device)
+            freqs = position_ids.float()[..., None] * inv_freq.float()
+            emb = torch.cat([freqs, freqs], dim=-1)
+            return (emb.cos() * scaling).to(dtype)[:, None], (emb.sin() * scaling).to(dtype)[:, None]
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, device=position_ids.device).float() / d))
         freqs = position_ids.float()[..., None] * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -95,8 +157,25 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.sliding_window, self.is_causal = _layer_attention(config, layer_idx)
 
-    def forward(self, hidden_states, target_hidden, cos, sin, attention_mask=None, past_key_values=None):
+    def _mask(self, attention_mask, position_ids, q_len: int, k_len: int):
+        """The caller's mask combined with this layer's own (window, causality). Cached keys (k_len beyond the
+        new positions) are taken to hold positions 0.. in order, as the decoding loop keeps them."""
+        if self.sliding_window is None and not self.is_causal:
+            return attention_mask
+        cached = k_len - position_ids.shape[1]
+        k_pos = torch.cat([torch.arange(cached, device=position_ids.device).expand(position_ids.shape[0], -1),
+                           position_ids], dim=1)
+        own = _layout_mask(position_ids[:, -q_len:], k_pos, self.sliding_window, self.is_causal)
+        if attention_mask is None:
+            return own
+        if attention_mask.dtype == torch.bool:
+            return attention_mask & own
+        return torch.where(own, attention_mask, torch.finfo(attention_mask.dtype).min)
+
+    def forward(self, hidden_states, target_hidden, cos, sin, attention_mask=None, past_key_values=None,
+                position_ids=None):
         b, q_len, _ = hidden_states.shape
         d = self.head_dim
         q = self.q_norm(self.q_proj(hidden_states).view(b, q_len, -1, d)).transpose(1, 2)
@@ -112,6 +191,8 @@ class DFlashAttention(nn.Module):
             groups = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
+        if position_ids is not None:
+            attention_mask = self._mask(attention_mask, position_ids, q_len, k.shape[2])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -136,9 +217,11 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, hidden_states, target_hidden, cos, sin, attention_mask=None, past_key_values=None):
+    def forward(self, hidden_states, target_hidden, cos, sin, attention_mask=None, past_key_values=None,
+                position_ids=None):
         x = hidden_states
-        x = x + self.self_attn(self.input_layernorm(x), target_hidden, cos, sin, attention_mask, past_key_values)
+        x = x + self.self_attn(self.input_layernorm(x), target_hidden, cos, sin, attention_mask, past_key_values,
+                               position_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -184,7 +267,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(h, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-        self.rotary_emb = DFlashRotary(head_dim, _rope_theta(config))
+        self.rotary_emb = DFlashRotary(head_dim, _rope_theta(config), config)
         self.post_init()
 
     def _init_weights(self, module):
@@ -219,7 +302,7 @@ class DFlashDraftModel(PreTrainedModel):
         cos, sin = self.rotary_emb(position_ids, x.dtype)
         cache = past_key_values if (use_cache or past_key_values is not None) else None
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, attention_mask, cache)
+            x = layer(x, ctx, cos, sin, attention_mask, cache, position_ids)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
