@@ -5,6 +5,7 @@ a scaled-down SpecForge Qwen3.6-27B drafter through init_from, training and expo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -303,7 +304,11 @@ def test_keys_that_cannot_change_the_math_pass():
                 "use_cache": True, "attention_dropout": 0.0, "transformers_version": "4.57.1",
                 "eagle_aux_hidden_state_layer_ids": [2, 4]})
     cfg["dflash_config"]["mask_token"] = "<|MASK|>"
-    assert DrafterArch.from_hf_config(cfg) == tiny_arch()
+    arch = DrafterArch.from_hf_config(cfg)
+    assert dataclasses.replace(arch, extra={}) == tiny_arch()
+    again = arch.to_hf_config()  # and they are written back as they were (but the writer's version)
+    assert {k: again[k] for k in cfg if k != "transformers_version"} == {
+        k: v for k, v in cfg.items() if k != "transformers_version"}
 
 
 # ------------------------------------------------------------------------------------------------ config keys
@@ -377,10 +382,11 @@ def test_a_qwen36_like_drafter_loads_trains_and_exports_its_layout(tmp_path):
 
     out = export(tmp_path / "run", tmp_path / "out", "bfloat16")
     cfg = json.loads((out / "config.json").read_text())
-    for key in ("layer_types", "sliding_window", "use_sliding_window", "rope_theta", "num_hidden_layers",
-                "block_size"):
-        assert cfg[key] == QWEN36_LIKE[key], key
-    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3, 4]
+    for key, value in QWEN36_LIKE.items():  # the release's fields round-trip (auto_map: the shipped file's)
+        if key == "dflash_config":
+            assert cfg[key] == {**value, "block_size": 8}
+        elif key != "auto_map":
+            assert cfg[key] == value, key
     assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
     assert load_file(str(out / "model.safetensors")).keys() == weights.keys()
     moved = load_file(str(trained / "model.safetensors"))
@@ -388,6 +394,15 @@ def test_a_qwen36_like_drafter_loads_trains_and_exports_its_layout(tmp_path):
     model = AutoModel.from_pretrained(str(out), trust_remote_code=True)
     assert [layer.self_attn.sliding_window for layer in model.layers] == [12] * 4 + [None]
     assert [layer.self_attn.is_causal for layer in model.layers] == [True] * 4 + [False]
+
+
+@pytest.mark.xfail(strict=True, reason="dflash/train.py does not yet hand drafter.layer_types and "
+                   "drafter.sliding_window to arch_from_target (two keyword arguments): remove this mark with them")
+def test_the_trainer_builds_the_configs_layout(tmp_path):
+    from dflash.train import Trainer
+
+    trainer = Trainer(_build(RunConfig, tiny_run(tmp_path / "run", layer_types=SLIDING, sliding_window=6), "")).setup()
+    assert [layer.self_attn.layer_mask for layer in trainer.drafter.layers] == [LayerMask(6, True), FULL]
 
 
 def test_run_config_layout_reaches_the_trained_drafter_and_its_export(tmp_path, monkeypatch):

@@ -53,6 +53,8 @@ class DrafterArch:
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included (Hugging Face's count)
     is_causal: bool | None = None  # in-block causality for every layer; None = sliding layers causal, full not
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters without rope_theta; None = plain
+    # keys of a loaded config.json that cannot change the math, written back as they were (PRESERVED_KEYS;
+    # "dflash_config": its preserved entries), so that a released drafter's export keeps its fields
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +92,8 @@ class DrafterArch:
 
     def to_hf_config(self) -> dict[str, Any]:
         """config.json in the layout serving engines load."""
+        extra = dict(self.extra)
+        dflash_extra = extra.pop("dflash_config", {})
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -113,8 +117,9 @@ class DrafterArch:
                 "target_layer_ids": list(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id,
                 "block_size": self.block_size,
+                **dflash_extra,
             },
-            **self.extra,
+            **extra,
         }
 
     @classmethod
@@ -149,6 +154,7 @@ class DrafterArch:
             sliding_window=sliding_window,
             is_causal=causal_of_hf_config(cfg),
             rope_scaling=rope_scaling,
+            extra=preserved_keys(cfg),
         )
 
 
@@ -418,6 +424,17 @@ DFLASH_CONFIG_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "causal
 HARMLESS_DFLASH_KEYS = {"mask_token"}  # the token's text; its id is mask_token_id
 # keys that are harmless at one value only (the value the drafter computes with)
 NEUTRAL_VALUES = {"hidden_act": "silu", "attention_bias": False, "model_type": "qwen3"}
+
+
+# the harmless keys a loaded config.json's export writes back unchanged (the rest is rewritten by the export)
+PRESERVED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+                  "attention_dropout", "eagle_aux_hidden_state_layer_ids")
+
+
+def preserved_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    extra = {k: cfg[k] for k in PRESERVED_KEYS if k in cfg}
+    dcfg = {k: v for k, v in (cfg.get("dflash_config") or {}).items() if k in HARMLESS_DFLASH_KEYS}
+    return {**extra, "dflash_config": dcfg} if dcfg else extra
 
 
 def check_known_keys(cfg: dict[str, Any], source: str) -> None:
