@@ -230,6 +230,19 @@ class CheckpointManager:
             return None
         return path
 
+    def drop_best(self, reason: str) -> None:
+        """Forget the best (its directory becomes an ordinary checkpoint), e.g. for a fresh start over an earlier
+        run: its step numbers restart, and a re-saved step must not inherit the other run's score."""
+        record = self.best()
+        pointer = self.dir / BEST
+        if not pointer.is_file():
+            return
+        pointer.unlink()
+        _fsync_path(self.dir)
+        was = f"{record['checkpoint']}, {record.get('metric')} {record['score']}" if record else "unreadable"
+        log.warning("checkpoints %s: %s; the earlier best (%s) is no longer kept apart from pruning", self.dir,
+                    reason, was)
+
     def beats_best(self, score: float, metric: str = "acceptance_length") -> bool:
         """Higher is better; a tie keeps the older best. A best of another metric is replaced."""
         best = self.best()
@@ -425,6 +438,10 @@ def contract_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str
     return changes
 
 
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
+
+
 def check_contract(path: Path, current: dict[str, Any], allowed: list[str] | tuple[str, ...] = (),
                    notes: dict[str, str] | None = None) -> dict[str, tuple[Any, Any]]:
     """Compare checkpoint `path`'s contract with the config's; returns the changes the user accepted
@@ -440,8 +457,8 @@ def check_contract(path: Path, current: dict[str, Any], allowed: list[str] | tup
     refused = {k: v for k, v in changes.items() if k not in allowed}
     if refused:
         notes = notes or {}
-        what = "; ".join(f"{key} is {new}{notes.get(key, '')} in the config but {old} in the checkpoint"
-                         for key, (old, new) in refused.items())
+        what = "; ".join(f"{key} is {_shown(new)}{notes.get(key, '')} in the config but {_shown(old)} in the "
+                         "checkpoint" for key, (old, new) in refused.items())
         keys = ",".join(refused)
         back = ", ".join(f"{key}={json.dumps(old)}" for key, (old, _) in refused.items())
         raise BadInput(f"resume contract of checkpoint {path}: {what} (it changes the loss or the layout mid-run); "

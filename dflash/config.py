@@ -142,11 +142,9 @@ class CheckpointConfig:
 
 
 # The settings that change the loss or the drafter's layout: recorded in every checkpoint (contract.json) and
-# compared on resume (docs/checkpoints.md, "Resume contract"). The drafter's optional layout keys count where the
-# config has them.
+# compared on resume (docs/checkpoints.md, "Resume contract"). The drafter's attention layout counts where set.
 RESUME_CONTRACT_KEYS = ("drafter.block_size", "drafter.gamma", "drafter.num_anchors", "drafter.loss_impl",
-                        "drafter.num_layers", "target.layer_ids", "drafter.layer_types", "drafter.sliding_window",
-                        "drafter.rope_theta", "drafter.rope_scaling")
+                        "drafter.num_layers", "target.layer_ids", "drafter.layer_types", "drafter.sliding_window")
 # changes that no override can accept: the checkpoint's weights would not fit the config's drafter
 RESUME_SHAPE_KEYS = {"drafter.num_layers": "the drafter's number of layers (its weights)"}
 

@@ -248,6 +248,8 @@ class Trainer:
         self.observer.event(compile_line)
         resume_from = self._resume_candidate()  # before any model loads: damaged ones stop us here
         self.accepted_changes = self._check_resume_contract(resume_from, layer_ids)  # so do changed settings
+        if resume_from is None and self.is_reporter:
+            self.ckpt.drop_best("a fresh start (checkpoint.resume=false)")
         target = self.source.open(c, layer_ids, self.device) if with_target else None
         self.inputs: RunInputs = build_run_inputs(c, target, layer_ids)
         if target is not None and self.compile_plan.target:  # after regeneration: it decodes eagerly

@@ -153,3 +153,19 @@ def test_the_run_keeps_the_best_eval_while_later_worse_ones_are_pruned(tmp_path)
     assert ckpt.latest_valid().name == "step-00000008"
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["acceptance_length"] for e in events if e.get("kind") == "eval"] == [2.0, 4.0, 3.0, 1.0, 1.0]
+    # a fresh start over this run (checkpoint.resume=false) restarts the step numbers: the old score is forgotten
+    fresh = small_config(tmp_path)
+    fresh.checkpoint.resume = False
+    restarted = Trainer(fresh).setup()
+    assert restarted.step == 0 and restarted.ckpt.best() is None
+    assert names(restarted.ckpt) == ["step-00000004", "step-00000008"]  # nothing deleted by the start itself
+
+
+def test_drop_best_keeps_the_directory_as_an_ordinary_checkpoint(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=1)
+    save_and_score(m, 1, 2.0)
+    m.save(2, write_payload("2"))
+    m.drop_best("a test")
+    assert m.best() is None and names(m) == ["step-00000001", "step-00000002"]
+    m.save(3, write_payload("3"))
+    assert names(m) == ["step-00000003"]

@@ -92,6 +92,14 @@ def test_a_changed_setting_is_refused_naming_the_key_both_values_and_the_fix(run
     assert "new output_dir" in message
 
 
+def test_a_sliding_window_layout_is_a_changed_setting_too(run):
+    with pytest.raises(BadInput, match=r"drafter.layer_types is \['sliding_attention', 'full_attention'\] in the "
+                                       r"config but unset in the checkpoint.*drafter.sliding_window is 8 in the "
+                                       r"config but unset"):
+        Trainer(config_of(run, drafter__layer_types=["sliding_attention", "full_attention"],
+                          drafter__sliding_window=8)).setup()
+
+
 def test_an_unset_gamma_says_it_is_the_block_sizes_default(run):
     with pytest.raises(BadInput, match=r"drafter.block_size is 16 in the config.*drafter.gamma is 7.0 \(unset: "
                                        r"the default for drafter.block_size 16\) in the config but 4.0"):
@@ -156,6 +164,7 @@ def test_fewer_tapped_layers_are_refused_even_when_allowed(run):
 @pytest.mark.parametrize(("keys", "message"), [
     (["drafter.num_layers"], "cannot be accepted on resume"),
     (["drafter.gama"], "'drafter.gama' is not a resume-contract key; use any of drafter.block_size"),
+    (["drafter.rope_scaling"], "not a resume-contract key"),
 ])
 def test_allow_changed_names_only_keys_a_resume_can_take(tiny_dict, keys, message):
     tiny_dict["checkpoint"]["allow_changed"] = keys
