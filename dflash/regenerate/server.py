@@ -68,6 +68,9 @@ class OpenAIServerBackend:
         self.model = model
         self.max_model_len: int | None = None
         self.tokenizer_check = "not run"
+        # until the server has answered once, a refused connection means nothing listens there (a wrong URL,
+        # a server not started): not a blip to retry. After that it is a restart in progress, and retried.
+        self.answered = False
         self._stop_strings: list[str] = []
         if tokenizer is not None:
             from dflash.regenerate.hf import stop_token_ids
@@ -86,8 +89,10 @@ class OpenAIServerBackend:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                self.answered = True
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
+            self.answered = True
             text = exc.read().decode(errors="replace") if exc.fp is not None else ""
             retry_after = None
             try:
@@ -101,7 +106,8 @@ class OpenAIServerBackend:
             raise ServerError(f"{url}: the server's answer is not JSON: {raw[:200]!r}") from None
 
     def call(self, method: str, url: str, body: dict | None = None, timeout: float | None = None) -> Any:
-        """One request, retried on connection errors, timeouts, 429 and 5xx with exponential backoff."""
+        """One request, retried on connection errors, timeouts, 429 and 5xx with exponential backoff; a refused
+        connection before the server ever answered fails at once (`_refused_at_start`)."""
         last = ""
         for attempt in range(self.retries + 1):
             wait = min(60.0, self.backoff_s * 2 ** attempt) * random.uniform(1.0, 1.25)
@@ -115,6 +121,8 @@ class OpenAIServerBackend:
                     wait = max(wait, min(exc.retry_after, 120.0))
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut short
                 reason = getattr(exc, "reason", exc)
+                if isinstance(reason, ConnectionRefusedError) and not self.answered:
+                    raise self._refused_at_start(method, url) from None
                 last = f"{type(reason).__name__}: {reason}"
             if attempt < self.retries:
                 log.warning("%s %s failed (%s); retry %d/%d in %.1fs", method, url, last, attempt + 1,
@@ -122,6 +130,11 @@ class OpenAIServerBackend:
                 time.sleep(wait)
         raise ServerError(f"{method} {url} failed {self.retries + 1} times, last: {last}; is the server up and "
                           "reachable (check --server)?")
+
+    def _refused_at_start(self, method: str, url: str) -> ServerError:
+        where = urlsplit(url).netloc
+        return ServerError(f"{method} {url}: connection refused: nothing listens on {where} (not retried: the "
+                           "server has not answered yet); start the server, or point --server at its API root")
 
     # ------------------------------------------------------------------------------------ checks
     def check_model(self) -> None:
