@@ -40,18 +40,28 @@ mkdir -p "$LOGS"
 start=$(date +%s)
 
 # Record a phase: NAME START END RC, one line each.
+# The phase's CPU time (its processes and their children; not the containers') goes to
+# .test-logs/PHASE.cpu: the children's line of bash's `times`.
 phase() {
   local name=$1 begin rc
   shift
   begin=$(date +%s)
-  "$@"
+  ( "$@"; rc=$?; times | tail -n 1 > "$LOGS/$name.cpu"; exit $rc )
   rc=$?
   echo "$name $begin $(date +%s) $rc" >> "$LOGS/times"
   return $rc
 }
 
+# Minutes of CPU in a PHASE.cpu file ("0m12.500s 0m1.250s": user, system), or "-".
+cpu_minutes() {
+  [[ -s "$1" ]] || { echo -; return; }
+  tr -d 's' < "$1" | awk '{ split($1, u, "m"); split($2, k, "m"); printf "%.1f", u[1] + u[2] / 60 + k[1] + k[2] / 60 }'
+}
+
 # Every 15 s while the tests run: the load average, and the CPU time used so far by the machine and by
-# each LXC container (cgroup v1 or v2), for scripts/cpu-report.py.
+# each LXC container (cgroup v1 or v2), for scripts/cpu-report.py. A phase's "CPU (min)" in the table at
+# the end counts its own processes (pytest and its workers; molecule and its ansible runs), not the
+# containers' (the report after the table has those).
 cpu_sample() {
   local line f name
   line="$(date +%s) $(awk '/^cpu /{ printf "%.2f", ($2 + $3 + $4 + $7 + $8 + $9) / 100 }' /proc/stat)"
@@ -80,7 +90,7 @@ run_pytest() { phase pytest pytest -q -n 2 --dist loadgroup --durations=25 -p no
 run_molecule() {
   # One `molecule test` per scenario, PARALLEL at a time; each scenario's phase line is written by the pool.
   printf '%s\n' $SCENARIOS | xargs -P "$PARALLEL" -I{} bash -c \
-    'b=$(date +%s); "$0" scenario {}; r=$?; echo "molecule-{} $b $(date +%s) $r" >> '"$LOGS"'/times; exit 0' "$0"
+    'b=$(date +%s); "$0" scenario {}; r=$?; times | tail -n 1 > '"$LOGS"'/molecule-{}.cpu; echo "molecule-{} $b $(date +%s) $r" >> '"$LOGS"'/times; exit 0' "$0"
 }
 
 echo "test: pytest and the molecule scenarios ($SCENARIOS, $PARALLEL side by side) run now; logs in $LOGS/"
@@ -118,9 +128,9 @@ done < "$LOGS/times"
 
 echo
 echo "=== make test: phase times ($(nproc) cores) ==="
-printf '%-22s %9s %9s %6s\n' phase "start (s)" "took (s)" exit
+printf '%-22s %9s %9s %6s %13s\n' phase "start (s)" "took (s)" exit "CPU (min)"
 sort -k2,2n "$LOGS/times" | while read -r name begin finish rc; do
-  printf '%-22s %9d %9d %6s\n' "$name" $((begin - start)) $((finish - begin)) "$rc"
+  printf '%-22s %9d %9d %6s %13s\n' "$name" $((begin - start)) $((finish - begin)) "$rc" "$(cpu_minutes "$LOGS/$name.cpu")"
 done
 printf '%-22s %9s %9d\n' total "" $((end - start))
 if [[ -s "$LOGS/load" ]]; then
