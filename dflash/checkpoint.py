@@ -442,12 +442,28 @@ def _shown(value: Any) -> str:
     return "unset" if value is None else str(value)
 
 
+def _contract_refusal(path: Path, refused: dict[str, tuple[Any, Any]], notes: dict[str, str],
+                      fixed: tuple[str, ...] | list[str]) -> str:
+    """One line, in the words of the drafter-shape refusal ("drafter.num_layers is 3 but the checkpoint ... was
+    trained with 2"), which the deploy's rollback check (molecule/faults) and operators already read."""
+    parts = [f"{key} is {_shown(new)}{notes.get(key, '')} but " + (f"the checkpoint {path} was" if i == 0 else "it was")
+             + f" trained with {_shown(old)}" for i, (key, (old, new)) in enumerate(refused.items())]
+    back = ", ".join(f"{key}={json.dumps(old)}" for key, (old, _) in refused.items())
+    fixes = [f"set it back ({back})", "use a new output_dir"]
+    acceptable = [key for key in refused if key not in fixed]
+    if acceptable == list(refused):
+        fixes.append(f"accept the change with checkpoint.allow_changed=[{','.join(acceptable)}]")
+    return (f"{'; '.join(parts)} (the resume contract: it changes the loss or the layout mid-run); "
+            f"{', '.join(fixes[:-1])} or {fixes[-1]}")
+
+
 def check_contract(path: Path, current: dict[str, Any], allowed: list[str] | tuple[str, ...] = (),
-                   notes: dict[str, str] | None = None) -> dict[str, tuple[Any, Any]]:
+                   notes: dict[str, str] | None = None, fixed: tuple[str, ...] | list[str] = ()) -> dict[str, tuple[Any, Any]]:
     """Compare checkpoint `path`'s contract with the config's; returns the changes the user accepted
-    (checkpoint.allow_changed), key -> (the checkpoint's value, the config's). Any other change is a BadInput naming the key, both values and the fixes: a
-    resume that silently changed the loss or the layout would mix two runs in one drafter. `notes`: a few words
-    per key shown beside the config's value (e.g. how a default was resolved)."""
+    (checkpoint.allow_changed), key -> (the checkpoint's value, the config's). Any other change is a BadInput
+    naming the key, both values and the fixes: a resume that silently changed the loss or the layout would mix two
+    runs in one drafter. `notes`: a few words per key shown beside the config's value (e.g. how a default was
+    resolved); `fixed`: keys no override can accept (their fix does not offer checkpoint.allow_changed)."""
     saved = read_contract(path)
     if saved is None:
         log.warning("checkpoint %s holds no %s (written by an earlier dflash): resuming without checking that %s "
@@ -456,12 +472,5 @@ def check_contract(path: Path, current: dict[str, Any], allowed: list[str] | tup
     changes = contract_changes(saved, current)
     refused = {k: v for k, v in changes.items() if k not in allowed}
     if refused:
-        notes = notes or {}
-        what = "; ".join(f"{key} is {_shown(new)}{notes.get(key, '')} in the config but {_shown(old)} in the "
-                         "checkpoint" for key, (old, new) in refused.items())
-        keys = ",".join(refused)
-        back = ", ".join(f"{key}={json.dumps(old)}" for key, (old, _) in refused.items())
-        raise BadInput(f"resume contract of checkpoint {path}: {what} (it changes the loss or the layout mid-run); "
-                       f"set it back ({back}), start a new output_dir, or accept the change with "
-                       f"checkpoint.allow_changed=[{keys}]")
+        raise BadInput(_contract_refusal(path, refused, notes or {}, fixed))
     return {k: v for k, v in changes.items() if k in allowed}

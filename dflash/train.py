@@ -21,7 +21,7 @@ import torch
 from dflash import stop
 from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
 from dflash.compile import compile_drafter, compile_target_layers, configure_for_run
-from dflash.config import RESUME_CONTRACT_KEYS, RunConfig, default_gamma
+from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, default_gamma
 from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
@@ -391,7 +391,8 @@ class Trainer:
         c = self.config
         notes = {} if c.drafter.gamma else {
             "drafter.gamma": f" (unset: the default for drafter.block_size {c.drafter.block_size})"}
-        accepted = check_contract(path, self.resume_contract(layer_ids), c.checkpoint.allow_changed, notes)
+        accepted = check_contract(path, self.resume_contract(layer_ids), c.checkpoint.allow_changed, notes,
+                                  fixed=list(RESUME_SHAPE_KEYS))
         if "target.layer_ids" in accepted:
             old, new = accepted["target.layer_ids"]
             if len(old or []) != len(new):  # the fc layer takes one hidden state per tapped layer

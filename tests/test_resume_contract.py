@@ -87,22 +87,22 @@ def test_a_changed_setting_is_refused_naming_the_key_both_values_and_the_fix(run
         Trainer(config_of(run, **change)).setup()
     message = str(err.value)
     assert "\n" not in message
-    assert f"{key} is {new}" in message and f"but {old} in the checkpoint" in message
+    assert f"{key} is {new} but the checkpoint " in message and f"was trained with {old}" in message
     assert "checkpoint.allow_changed=[" in message and key in message.split("allow_changed=")[1]
     assert "new output_dir" in message
 
 
 def test_a_sliding_window_layout_is_a_changed_setting_too(run):
-    with pytest.raises(BadInput, match=r"drafter.layer_types is \['sliding_attention', 'full_attention'\] in the "
-                                       r"config but unset in the checkpoint.*drafter.sliding_window is 8 in the "
-                                       r"config but unset"):
+    with pytest.raises(BadInput, match=r"drafter.layer_types is \['sliding_attention', 'full_attention'\] but the "
+                                       r"checkpoint .* was trained with unset; drafter.sliding_window is 8 but it "
+                                       r"was trained with unset"):
         Trainer(config_of(run, drafter__layer_types=["sliding_attention", "full_attention"],
                           drafter__sliding_window=8)).setup()
 
 
 def test_an_unset_gamma_says_it_is_the_block_sizes_default(run):
-    with pytest.raises(BadInput, match=r"drafter.block_size is 16 in the config.*drafter.gamma is 7.0 \(unset: "
-                                       r"the default for drafter.block_size 16\) in the config but 4.0"):
+    with pytest.raises(BadInput, match=r"drafter.block_size is 16 but .*drafter.gamma is 7.0 \(unset: "
+                                       r"the default for drafter.block_size 16\) but it was trained with 4.0"):
         Trainer(config_of(run, drafter__block_size=16)).setup()
 
 
@@ -110,8 +110,18 @@ def test_the_cli_exits_2_with_one_line(run, write_config, capsys):
     path = write_config(run)
     assert main(["train", str(path), "drafter.gamma=5.0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("dflash: error: resume contract")
-    assert "drafter.gamma is 5.0" in err and "checkpoint.allow_changed=[drafter.gamma]" in err
+    assert err.count("\n") == 0 and err.startswith("dflash: error: drafter.gamma is 5.0 but the checkpoint")
+    assert "the resume contract" in err and "checkpoint.allow_changed=[drafter.gamma]" in err
+
+
+def test_a_changed_num_layers_is_refused_before_any_model_loads_without_offering_the_override(run, write_config,
+                                                                                              capsys):
+    path = write_config(run)
+    assert main(["train", str(path), "drafter.num_layers=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    # the words molecule/faults/rollback.yml looks for in a rolled-back deploy
+    assert err.startswith("dflash: error: drafter.num_layers is 3 but the checkpoint ")
+    assert "was trained with 2" in err and "new output_dir" in err and "allow_changed" not in err
 
 
 def test_the_override_accepts_the_changes_and_the_next_checkpoint_records_them(run):
