@@ -133,6 +133,25 @@ def test_flex_equals_dense_on_a_sliding_layout():
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
 
 
+def test_a_compiled_sliding_drafter_breaks_only_at_the_eager_block_masks():
+    """As the full drafter (tests/test_attention_and_drafter.py): the BlockMasks of all layouts are built in one
+    eager call, the rest of the forward is one graph, and it computes the eager forward."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    drafter = drafter_of(layer_types=SLIDING, sliding_window=3)
+    embed, feats, block_ids, anchors = inputs(drafter.arch)
+    flex = torch.compile(flex_attention, backend="eager")
+    with torch.no_grad():
+        explained = torch._dynamo.explain(drafter.forward)(feats, block_ids, anchors, embed, "flex", flex)
+        reasons = [r.reason for r in explained.break_reasons]
+        assert explained.graph_break_count == 1 and "flex_block_masks" in reasons[0], reasons
+        torch._dynamo.reset()
+        compiled = torch.compile(drafter.forward, backend="aot_eager")
+        out = compiled(feats, block_ids, anchors, embed, "flex", flex)
+        torch.testing.assert_close(out, drafter(feats, block_ids, anchors, embed, "sdpa"), atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()
+
+
 def test_sliding_layer_sees_only_its_window():
     """A change to context positions outside every query's window leaves the block unchanged; inside, not."""
     drafter = drafter_of(layer_types=["sliding_attention"] * 2, sliding_window=3)

@@ -43,13 +43,16 @@ class LayerMask:
 FULL = LayerMask()
 
 
-def visible(q_idx, kv_idx, anchors_b, ctx_len: int, block_size: int, layer: LayerMask = FULL):
+# Defaults are None, not FULL: torch 2.11's dynamo cannot wrap a LayerMask held in a default argument (a graph
+# break inside a compiled drafter forward); a global FULL it reads by name.
+def visible(q_idx, kv_idx, anchors_b, ctx_len: int, block_size: int, layer: LayerMask | None = None):
     """True where query `q_idx` (a block token) may attend key `kv_idx`. `anchors_b`: (m,) of one sequence."""
+    layer = FULL if layer is None else layer
     block = q_idx // block_size
     in_ctx = kv_idx < ctx_len
     ctx_ok = kv_idx < anchors_b[block]  # strictly before the anchor
     own_block = (kv_idx - ctx_len) // block_size == block
-    if layer == FULL:  # the paper's layer, computed exactly as before layouts existed
+    if layer.window is None and not layer.causal:  # the paper's layer, computed exactly as before layouts existed
         return torch.where(in_ctx, ctx_ok, own_block)
     offset, kv_offset = q_idx % block_size, (kv_idx - ctx_len) % block_size
     if layer.window is not None:  # measured from the query's own position, anchor + offset
@@ -62,7 +65,7 @@ def visible(q_idx, kv_idx, anchors_b, ctx_len: int, block_size: int, layer: Laye
     return torch.where(in_ctx, ctx_ok, own_block)
 
 
-def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, layer: LayerMask = FULL) -> torch.Tensor:
+def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, layer: LayerMask | None = None) -> torch.Tensor:
     """(b, 1, m*B, T+m*B) boolean mask for SDPA."""
     b, m = anchors.shape
     q_idx = torch.arange(m * block_size, device=anchors.device)[:, None]
@@ -95,7 +98,7 @@ def row_key_intervals(anchors: torch.Tensor, rows: torch.Tensor, ctx_len: int, b
 
 @torch.compiler.disable  # eager even inside a compiled drafter forward: see the docstring
 def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_MASK_TILE,
-                    layer: LayerMask = FULL):
+                    layer: LayerMask | None = None):
     """BlockMask of `visible`, built from its structure instead of evaluating the predicate everywhere.
 
     Row r (block r // B, anchor a) sees the context [0, a) and its own block's keys (a sliding layer: the
@@ -111,6 +114,7 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
     and eagerly it costs little."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    layer = FULL if layer is None else layer
     b, m = anchors.shape
     q_len, kv_len = m * block_size, ctx_len + m * block_size
     nq, nkv = -(-q_len // tile), -(-kv_len // tile)
@@ -137,32 +141,48 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
                                     seq_lengths=(q_len, kv_len))
 
 
+@torch.compiler.disable  # eager, like flex_block_mask: the one graph break of a compiled drafter forward
+def flex_block_masks(anchors: torch.Tensor, ctx_len: int, block_size: int, specs: tuple[tuple, ...]) -> tuple:
+    """One BlockMask per layer (`specs`: (window, causal) per layer; equal layouts share one mask). Layouts
+    cross the graph break as plain tuples: torch 2.11's dynamo could not rebuild LayerMask objects there."""
+    built: dict[tuple, object] = {}
+    for spec in specs:
+        if spec not in built:
+            built[spec] = flex_block_mask(anchors, ctx_len, block_size, layer=LayerMask(*spec))
+    return tuple(built[spec] for spec in specs)
+
+
 class AttentionBackend:
     """Builds the masks once per batch (one per distinct layer layout) and runs every layer's attention."""
 
     def __init__(self, kind: str, anchors: torch.Tensor, ctx_len: int, block_size: int, compiled=None,
-                 layers: tuple[LayerMask, ...] = (FULL,)):
+                 layers: tuple[LayerMask, ...] | None = None):
         self.kind = kind
+        layers = (FULL,) if layers is None else layers
+        specs = tuple((layer.window, layer.causal) for layer in layers)
         if kind == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 
-            self.masks = {layer: flex_block_mask(anchors, ctx_len, block_size, layer=layer)
-                          for layer in dict.fromkeys(layers)}
+            self.masks = flex_block_masks(anchors, ctx_len, block_size, specs)
             self._flex = compiled if compiled is not None else flex_attention  # `or` breaks dynamo graphs
         else:
-            self.masks = {layer: dense_mask(anchors, ctx_len, block_size, layer) for layer in dict.fromkeys(layers)}
+            built = {}
+            for spec, layer in zip(specs, layers, strict=True):
+                if spec not in built:
+                    built[spec] = dense_mask(anchors, ctx_len, block_size, layer)
+            self.masks = tuple(built[spec] for spec in specs)
 
     @property
     def mask(self):
-        """The full-attention layers' mask (the only one of a drafter without sliding layers)."""
-        return self.masks.get(FULL, next(iter(self.masks.values())))
+        """The first layer's mask (the only one of a drafter without sliding layers)."""
+        return self.masks[0]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: LayerMask = FULL) -> torch.Tensor:
-        """q: (b, hq, Lq, d); k, v: (b, hkv, Lk, d)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int = 0) -> torch.Tensor:
+        """q: (b, hq, Lq, d); k, v: (b, hkv, Lk, d); the mask of layer `layer_index`."""
         gqa = q.shape[1] != k.shape[1]
         if self.kind == "flex":
-            return self._flex(q, k, v, block_mask=self.masks[layer], enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[layer], enable_gqa=gqa)
+            return self._flex(q, k, v, block_mask=self.masks[layer_index], enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[layer_index], enable_gqa=gqa)
 
 
 # flex_attention's kernel tiles chosen by measurement at the drafter's training shape (bench/flex_tiles.py,

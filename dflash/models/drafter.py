@@ -23,7 +23,7 @@ from torch import nn
 from dflash.config import check_layout
 from dflash.errors import BadInput, ConfigError
 from dflash.logs import get_logger
-from dflash.models.attention import FULL, AttentionBackend, LayerMask
+from dflash.models.attention import AttentionBackend, LayerMask
 from dflash.models.target import check_rope, rope_of
 
 log = get_logger(__name__)
@@ -221,10 +221,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DrafterAttention(nn.Module):
-    def __init__(self, a: DrafterArch, layer_mask: LayerMask = FULL):
+    def __init__(self, a: DrafterArch, layer_index: int = 0):
         super().__init__()
         self.a = a
-        self.layer_mask = layer_mask
+        self.layer_index = layer_index
+        self.layer_mask = a.layer_mask(layer_index)
         self.q_proj = nn.Linear(a.hidden_size, a.num_attention_heads * a.head_dim, bias=False)
         self.k_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
         self.v_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=False)
@@ -242,7 +243,7 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(kv_in).view(b, lk, -1, d).transpose(1, 2)
         q = apply_rope(q, *rope_q)
         k = apply_rope(k, *rope_k)
-        out = attend(q, k, v, self.layer_mask)
+        out = attend(q, k, v, self.layer_index)
         return self.o_proj(out.transpose(1, 2).reshape(b, lq, -1))
 
 
@@ -261,7 +262,7 @@ class DrafterLayer(nn.Module):
     def __init__(self, a: DrafterArch, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = DrafterAttention(a, a.layer_mask(index))
+        self.self_attn = DrafterAttention(a, index)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = DrafterMLP(a)
 
