@@ -30,8 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
 
     e = sub.add_parser("export", help="export a checkpoint for serving engines")
-    e.add_argument("checkpoint", help="run dir, checkpoints dir or step-N dir")
+    e.add_argument("checkpoint", help="run dir or checkpoints dir (its best checkpoint by real acceptance length "
+                   "where the run kept one, else the newest), or a step-N dir")
     e.add_argument("out", help="new output directory")
+    e.add_argument("--latest", action="store_true", help="a run's newest checkpoint, not its best")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
     v = sub.add_parser("eval", help="real speculative decoding with the target and a drafter: acceptance length, "
@@ -110,10 +112,11 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from dflash.export import export
+    from dflash.export import export, resolve_checkpoint
 
-    out = export(args.checkpoint, args.out, args.dtype)
-    print(f"exported drafter to {out}")
+    src = resolve_checkpoint(args.checkpoint, "latest" if args.latest else "best")
+    out = export(src, args.out, args.dtype)
+    print(f"exported drafter {src} to {out}")
     return EXIT_OK
 
 

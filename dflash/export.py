@@ -24,8 +24,10 @@ MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "mode
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A step directory, a checkpoints directory or a run directory (its newest intact checkpoint)."""
+def resolve_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
+    """A step directory as it is; a checkpoints directory or a run directory: its newest intact checkpoint, or
+    with `which="best"` the one with the best real acceptance length (`checkpoints/best`) where the run kept
+    one, else the newest."""
     p = Path(path)
     if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
         problem = CheckpointManager.verify(p) if (p / "manifest.json").exists() else None
@@ -34,15 +36,18 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return p
     for candidate in (p, p / "checkpoints"):
         if candidate.is_dir():
-            found = CheckpointManager(candidate).latest_valid()
+            manager = CheckpointManager(candidate)
+            found = (manager.best_valid() if which == "best" else None) or manager.latest_valid()
             if found is not None:
                 return found
     raise BadInput(f"'{p}' holds no intact checkpoint; pass a run directory, its checkpoints/ directory or a "
                    "step-NNNNNNNN directory")
 
 
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16") -> Path:
-    src = resolve_checkpoint(checkpoint)
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16",
+           which: str = "best") -> Path:
+    """Export the checkpoint `checkpoint` names (see resolve_checkpoint: a run's best by default)."""
+    src = resolve_checkpoint(checkpoint, which)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise BadInput(f"export target '{out}' exists and is not a directory; choose a new directory")

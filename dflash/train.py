@@ -307,7 +307,8 @@ class Trainer:
                                     layer_ids=self.layer_ids, mask_token_id=self._mask_token_id(vocab),
                                     vocab_size=vocab, intermediate_size=c.drafter.intermediate_size,
                                     num_attention_heads=c.drafter.num_attention_heads,
-                                    num_key_value_heads=c.drafter.num_key_value_heads)
+                                    num_key_value_heads=c.drafter.num_key_value_heads,
+                                    layer_types=c.drafter.layer_types, sliding_window=c.drafter.sliding_window)
             gen_state = torch.random.get_rng_state()
             torch.manual_seed(c.seed + 17)
             self.drafter = Drafter(arch)

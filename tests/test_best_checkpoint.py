@@ -169,3 +169,19 @@ def test_drop_best_keeps_the_directory_as_an_ordinary_checkpoint(tmp_path):
     assert m.best() is None and names(m) == ["step-00000001", "step-00000002"]
     m.save(3, write_payload("3"))
     assert names(m) == ["step-00000003"]
+
+
+def test_export_takes_a_runs_best_by_default_and_the_newest_when_asked(tmp_path):
+    from dflash.export import resolve_checkpoint
+
+    run = tmp_path / "run"
+    m = CheckpointManager(run / "checkpoints", keep_last=2)
+    assert save_and_score(m, 1, 6.0)
+    assert not save_and_score(m, 2, 4.0)
+    m.save(3, write_payload("3"))
+    for given in (run, run / "checkpoints"):
+        assert resolve_checkpoint(given, "best").name == "step-00000001"
+        assert resolve_checkpoint(given, "latest").name == "step-00000003"
+        assert resolve_checkpoint(given).name == "step-00000003"  # what `dflash eval` of a run dir reads
+    (run / "checkpoints" / BEST).unlink()  # a run without a best: the newest
+    assert resolve_checkpoint(run, "best").name == "step-00000003"

@@ -415,8 +415,6 @@ def test_a_qwen36_like_drafter_loads_trains_and_exports_its_layout(tmp_path):
     assert [layer.self_attn.is_causal for layer in model.layers] == [True] * 4 + [False]
 
 
-@pytest.mark.xfail(strict=True, reason="dflash/train.py does not yet hand drafter.layer_types and "
-                   "drafter.sliding_window to arch_from_target (two keyword arguments): remove this mark with them")
 def test_the_trainer_builds_the_configs_layout(tmp_path):
     from dflash.train import Trainer
 
@@ -424,21 +422,11 @@ def test_the_trainer_builds_the_configs_layout(tmp_path):
     assert [layer.self_attn.layer_mask for layer in trainer.drafter.layers] == [LayerMask(6, True), FULL]
 
 
-def test_run_config_layout_reaches_the_trained_drafter_and_its_export(tmp_path, monkeypatch):
-    """drafter.layer_types / sliding_window build the drafter's layout: trained, checkpointed, exported.
-    (train.py builds the architecture with `arch_from_target`; the wrapper hands it the config's layout where
-    the trainer does not yet.)"""
+def test_run_config_layout_reaches_the_trained_drafter_and_its_export(tmp_path):
+    """drafter.layer_types / sliding_window build the drafter's layout: trained, checkpointed, exported."""
     import dflash.train as train_module
 
-    real = train_module.arch_from_target
-
-    def with_layout(*args, **kwargs):
-        kwargs.setdefault("layer_types", trainer_config["drafter"]["layer_types"])
-        kwargs.setdefault("sliding_window", trainer_config["drafter"]["sliding_window"])
-        return real(*args, **kwargs)
-
     trainer_config = tiny_run(tmp_path / "run", layer_types=SLIDING, sliding_window=6)
-    monkeypatch.setattr(train_module, "arch_from_target", with_layout)
     trainer = train_module.Trainer(_build(RunConfig, trainer_config, "")).setup()
     assert [layer.self_attn.layer_mask for layer in trainer.drafter.layers] == [LayerMask(6, True), FULL]
     trainer.run()
