@@ -56,6 +56,7 @@ class RunObserver:
         # (regenerates) its data: the health check tells a slow start from a frozen one by its age.
         self._beat_lock = threading.Lock()
         self._starting_done: threading.Event | None = None
+        self._starting_thread: threading.Thread | None = None  # the refresher (tests join it)
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tensorboard:
@@ -75,8 +76,10 @@ class RunObserver:
             self._write_beat(step, epoch, status, extra)
             if status == "starting" and self._starting_done is None:
                 self._starting_done = threading.Event()
-                threading.Thread(target=self._refresh_starting, args=(self._starting_done, step, epoch, extra),
-                                 name="dflash-starting-heartbeat", daemon=True).start()
+                self._starting_thread = threading.Thread(
+                    target=self._refresh_starting, args=(self._starting_done, step, epoch, extra),
+                    name="dflash-starting-heartbeat", daemon=True)
+                self._starting_thread.start()
 
     def _write_beat(self, step: int, epoch: int, status: str, extra: dict[str, Any]) -> None:
         atomic_write_json(self.heartbeat_path, {"step": step, "epoch": epoch, "time": time.time(),

@@ -9,10 +9,12 @@ import threading
 from dflash.observability import RunObserver
 
 
-def _join_refreshers():
-    for thread in threading.enumerate():
-        if thread.name == "dflash-starting-heartbeat":
-            thread.join(5)
+def _refresh_ended(observer) -> bool:
+    """This observer's refresher thread ended (other tests' trainers may still have theirs)."""
+    thread = observer._starting_thread
+    if thread is not None:
+        thread.join(60)
+    return thread is not None and not thread.is_alive()
 
 
 def read(path):
@@ -45,21 +47,20 @@ def test_starting_is_rewritten_until_the_next_status_and_never_after(tmp_path, m
     assert count["starting"] == after
     beat = read(tmp_path / "heartbeat.json")
     assert beat["status"] == "training" and beat["step"] == 1 and beat["loss"] == 2.0
-    _join_refreshers()
-    assert not [t for t in threading.enumerate() if t.name == "dflash-starting-heartbeat"]
+    assert _refresh_ended(observer)
 
 
 def test_a_disabled_observer_writes_nothing_and_starts_no_thread(tmp_path):
     observer = RunObserver(tmp_path / "run", enabled=False)
     observer.heartbeat(0, 0, "starting")
     assert not (tmp_path / "run").exists()
-    assert not [t for t in threading.enumerate() if t.name == "dflash-starting-heartbeat"]
+    assert observer._starting_thread is None
 
 
 def test_close_ends_the_refresh(tmp_path, monkeypatch):
     observer = RunObserver(tmp_path)
     monkeypatch.setattr(observer, "STARTING_REFRESH_S", 0.01)
     observer.heartbeat(0, 0, "starting")
+    assert observer._starting_thread.is_alive()
     observer.close()
-    _join_refreshers()
-    assert not [t for t in threading.enumerate() if t.name == "dflash-starting-heartbeat"]
+    assert _refresh_ended(observer)

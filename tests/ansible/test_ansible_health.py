@@ -335,10 +335,10 @@ def test_a_trainer_that_keeps_saying_starting_is_loading_not_hung(tmp_path, fake
                                                  "600s)")  # fmt: skip
 
     write_heartbeat(tmp_path / "heartbeat.json", 0, status="starting")
-    host = fake_host()  # waiting longer than the window does not make it final
-    watched = check_health(host, params(tmp_path, timeout=4, progress_window=1, start_window=600),
+    host = fake_host()  # waiting (fake clock) longer than the window does not make it final
+    watched = check_health(host, params(tmp_path, timeout=90, progress_window=30, start_window=600, poll_interval=5),
                            lambda: dict(launched))  # fmt: skip
-    assert host.clock >= 4 and watched["state"] == "starting" and not watched["healthy"]
+    assert host.clock >= 90 and watched["state"] == "starting" and not watched["healthy"]
 
     beyond = {**ACTIVE, "started_at": time.time() - 700}
     late = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=30, start_window=600),
