@@ -41,21 +41,21 @@ start=$(date +%s)
 
 # Record a phase: NAME START END RC, one line each.
 # The phase's CPU time (its processes and their children; not the containers') goes to
-# .test-logs/PHASE.cpu: the children's line of bash's `times`.
+# .test-logs/PHASE.cpu: bash's `times` (not in a pipeline: a pipeline's element has no children).
 phase() {
   local name=$1 begin rc
   shift
   begin=$(date +%s)
-  ( "$@"; rc=$?; times | tail -n 1 > "$LOGS/$name.cpu"; exit $rc )
+  ( "$@"; rc=$?; times > "$LOGS/$name.cpu"; exit $rc )
   rc=$?
   echo "$name $begin $(date +%s) $rc" >> "$LOGS/times"
   return $rc
 }
 
-# Minutes of CPU in a PHASE.cpu file ("0m12.500s 0m1.250s": user, system), or "-".
+# Minutes of CPU in a PHASE.cpu file (bash's `times`: its last line is the children's "0m12.500s 0m1.250s"), or "-".
 cpu_minutes() {
   [[ -s "$1" ]] || { echo -; return; }
-  tr -d 's' < "$1" | awk '{ split($1, u, "m"); split($2, k, "m"); printf "%.1f", u[1] + u[2] / 60 + k[1] + k[2] / 60 }'
+  tail -n 1 "$1" | tr -d 's' | awk '{ split($1, u, "m"); split($2, k, "m"); printf "%.1f", u[1] + u[2] / 60 + k[1] + k[2] / 60 }'
 }
 
 # Every 15 s while the tests run: the load average, and the CPU time used so far by the machine and by
@@ -90,7 +90,7 @@ run_pytest() { phase pytest pytest -q -n 2 --dist loadgroup --durations=25 -p no
 run_molecule() {
   # One `molecule test` per scenario, PARALLEL at a time; each scenario's phase line is written by the pool.
   printf '%s\n' $SCENARIOS | xargs -P "$PARALLEL" -I{} bash -c \
-    'b=$(date +%s); "$0" scenario {}; r=$?; times | tail -n 1 > '"$LOGS"'/molecule-{}.cpu; echo "molecule-{} $b $(date +%s) $r" >> '"$LOGS"'/times; exit 0' "$0"
+    'b=$(date +%s); "$0" scenario {}; r=$?; times > '"$LOGS"'/molecule-{}.cpu; echo "molecule-{} $b $(date +%s) $r" >> '"$LOGS"'/times; exit 0' "$0"
 }
 
 echo "test: pytest and the molecule scenarios ($SCENARIOS, $PARALLEL side by side) run now; logs in $LOGS/"
