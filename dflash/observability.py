@@ -70,9 +70,8 @@ class RunObserver:
         if not self.enabled:
             return
         with self._beat_lock:
-            if self._starting_done is not None and status != "starting":
-                self._starting_done.set()  # any later status ends the refresh; it never overwrites one
-                self._starting_done = None
+            if status != "starting":
+                self._end_refresh()  # any later status ends the refresh; it never overwrites one
             self._write_beat(step, epoch, status, extra)
             if status == "starting" and self._starting_done is None:
                 self._starting_done = threading.Event()
@@ -143,11 +142,15 @@ class RunObserver:
             self._tb.add_scalar(tag, value, step)
             self._tb.flush()
 
+    def _end_refresh(self) -> None:
+        """Stop the `starting` refresher (the caller holds _beat_lock)."""
+        if self._starting_done is not None:
+            self._starting_done.set()
+            self._starting_done = None
+
     def close(self) -> None:
         with self._beat_lock:
-            if self._starting_done is not None:
-                self._starting_done.set()
-                self._starting_done = None
+            self._end_refresh()
         if self._tb is not None:
             self._tb.close()
 
