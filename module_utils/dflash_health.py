@@ -326,11 +326,18 @@ class HealthTracker:
             return False
         return obs["wall"] - float(hb.get("time") or 0) <= self.window
 
+    def _node_loading(self, obs):
+        """Multi-node: this launch's node file says every node reached the rendezvous and this node's ranks run
+        but have not finished a step (on nodes other than 0 the node file is the heartbeat: node 0's trainer
+        writes the `starting` one)."""
+        node = obs.get("node")
+        return bool(node and node.get("joined") and not node.get("all_joined") and node.get("status") != "failed")
+
     def _progress(self, obs, now):
         hb = obs.get("heartbeat")
         launched = obs["unit"].get("started_at")
         launch_age = obs["wall"] - launched if launched else None
-        if self._loading(obs):
+        if self._loading(obs) or (self.params.get("node_rank") and self._node_loading(obs)):
             loading_for = launch_age if launch_age is not None else 0.0
             if loading_for > self.start_window:
                 return [("progress", f"no progress: still starting {loading_for:.0f}s after the launch, beyond the "
@@ -385,8 +392,11 @@ class HealthTracker:
             return [("joined", f"rendezvous incomplete after {waited:.0f}s: {names} did not join "
                      f"(never reached the rendezvous on {self.node_label(0, node)})", late)]
         if node.get("joined"):
+            # every rank runs: they load the models and prepare the data, judged by the start-up allowance
+            final = None if waited <= self.start_window else True
             return [("joined", f"every node reached the rendezvous; waiting for the first step of "
-                     f"{self.node_label(rank, node)}'s ranks ({waited:.0f}s)", late)]
+                     f"{self.node_label(rank, node)}'s ranks ({waited:.0f}s; start-up allowance "
+                     f"{self.start_window:.0f}s)", final)]
         if rank:
             return [("joined", f"{self.node_label(rank, node)} is waiting {waited:.0f}s for the rendezvous on "
                      f"{self.node_label(0, node)} (did node 0 start? is its rendezvous port reachable from here?)", late)]

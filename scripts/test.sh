@@ -86,6 +86,8 @@ trap 'kill $sampler 2>/dev/null' EXIT
 [[ -f "$LOGS/lint.log" ]] && cat "$LOGS/lint.log"
 
 # -n 2: one worker per core; tests that spawn several processes are grouped (xdist_group) per worker.
+# Each test's CPU seconds (tests/conftest.py) go to .test-logs/pytest-cpu.tsv: the costliest are listed at the end.
+export DFLASH_TEST_CPU_LOG="$PWD/$LOGS/pytest-cpu.tsv"
 run_pytest() { phase pytest pytest -q -n 2 --dist loadgroup --durations=25 -p no:cacheprovider ${PYTEST_ARGS:-} > "$LOGS/pytest.log" 2>&1; }
 run_molecule() {
   # One `molecule test` per scenario, PARALLEL at a time; each scenario's phase line is written by the pool.
@@ -137,4 +139,8 @@ if [[ -s "$LOGS/load" ]]; then
   awk '{ s += $1; if ($1 > m) m = $1 } END { printf "load average while testing: mean %.1f, max %.1f (%d samples, every 15 s)\n", s / NR, m, NR }' "$LOGS/load"
 fi
 [[ -s "$LOGS/cpu" ]] && python3 scripts/cpu-report.py "$LOGS/cpu"
+if [[ -s "$DFLASH_TEST_CPU_LOG" ]]; then
+  awk -F'\t' '{ s += $1 } END { printf "pytest: %.1f CPU-min in %d tests; the costliest (CPU s, wall s):\n", s / 60, NR }' "$DFLASH_TEST_CPU_LOG"
+  sort -t$'\t' -k1,1 -rn "$DFLASH_TEST_CPU_LOG" | head -n 15 | awk -F'\t' '{ printf "  %7.1f %7.1f  %s\n", $1, $2, $3 }'
+fi
 exit $failed

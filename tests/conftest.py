@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,26 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its children that have been waited for (user + system)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With DFLASH_TEST_CPU_LOG set (scripts/test.sh sets it), one line per test: CPU seconds (this worker and the
+    processes it waited for; a module fixture's build counts in its first test), wall seconds, node id."""
+    path = os.environ.get("DFLASH_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    with open(path, "a") as handle:
+        handle.write(f"{_cpu_seconds() - cpu:.1f}\t{time.monotonic() - wall:.1f}\t{item.nodeid}\n")
 
 
 @pytest.hookimpl(tryfirst=True)

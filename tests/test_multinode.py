@@ -26,7 +26,7 @@ def free_port():
         return s.getsockname()[1] - 1  # the presence store listens on master_port + 1
 
 
-def wait_until(predicate, timeout=60.0):
+def wait_until(predicate, timeout=300.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -20,7 +20,7 @@ if str(ROOT / "module_utils") not in ansible.module_utils.__path__:
     ansible.module_utils.__path__.append(str(ROOT / "module_utils"))
 
 
-def wait_for(predicate, timeout: float = 60.0, interval: float = 0.05):
+def wait_for(predicate, timeout: float = 300.0, interval: float = 0.05):
     """predicate()'s first truthy value within `timeout` seconds (its last value otherwise)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -94,3 +94,27 @@ def test_a_node_file_of_an_earlier_launch_is_not_evidence(tmp_path):
     result = check_health(LocalHost(), node_params(tmp_path, 1, timeout=0, progress_window=30), lambda: dict(launched))
     reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
     assert "not this launch's" in reasons["joined"] and result["step"] is None
+
+
+def test_ranks_loading_after_the_rendezvous_are_starting_until_the_start_up_allowance(tmp_path):
+    """Every node joined and the ranks load the models (no step yet) for longer than the progress window: on
+    node 0 (its trainer refreshes `starting`) and on node 1 (its node file is the heartbeat) that reads
+    `starting`, not `hung`, until the start-up allowance has passed."""
+    write_heartbeat(tmp_path / "heartbeat.json", 0, status="starting", age=5)
+    (tmp_path / "job.log").write_text("dflash: rendezvous complete\n")
+    os.utime(tmp_path / "job.log", (time.time() - 100, time.time() - 100))
+    launched = {**ACTIVE, "started_at": time.time() - 100}
+    for rank in (0, 1):
+        write_node(tmp_path, rank, "joined", age=90)
+        result = check_health(LocalHost(), node_params(tmp_path, rank, timeout=0, progress_window=30, start_window=600),
+                              lambda: dict(launched))  # fmt: skip
+        reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
+        assert result["state"] == "starting" and result["ok"], (rank, result["diagnosis"])
+        assert "start-up allowance 600s" in reasons["joined"], reasons
+
+    beyond = {**ACTIVE, "started_at": time.time() - 700}
+    for rank in (0, 1):
+        write_node(tmp_path, rank, "joined", age=690)
+        result = check_health(LocalHost(), node_params(tmp_path, rank, timeout=0, progress_window=30, start_window=600),
+                              lambda: dict(beyond))  # fmt: skip
+        assert result["state"] == "hung" and not result["ok"], (rank, result["diagnosis"])

@@ -88,7 +88,7 @@ def role_run(tmp_path_factory):
         "dflash_job_root": str(tmp / "opt"), "dflash_job_run_dir": str(tmp / "run"), "dflash_job_config_path": str(tmp / "etc" / "job.yaml"),
         "dflash_job_log_path": str(tmp / "log" / "job.log"), "dflash_job_env_file": str(tmp / "etc" / "job.env"),
         "dflash_job_stop_timeout": 5,
-        "dflash_job_health_timeout": 30, "dflash_job_health_progress_window": 10, "dflash_job_health_poll_interval": 1,
+        "dflash_job_health_timeout": 300, "dflash_job_health_progress_window": 120, "dflash_job_health_poll_interval": 1,
     }  # fmt: skip
     inventory = {"all": {"children": {"dflash_containers": {"hosts": {"here": host}}}}}
     # The unit state lives under /var/lib/dflash-units/NAME: use a name of this run.

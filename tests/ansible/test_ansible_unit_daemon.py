@@ -108,7 +108,7 @@ def test_processes_that_leave_the_group_are_stopped_too(daemon, tmp_path):
     worker = int(wait_for(lambda: (tmp_path / "worker.pid").exists() and (tmp_path / "worker.pid").read_text()))
     assert os.getsid(worker) == worker  # left the job's session and group
     backend.stop(spec)
-    assert wait_for(lambda: not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split(") ")[1][0] == "Z", 3)
+    assert wait_for(lambda: not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split(") ")[1][0] == "Z", 60)
 
 
 def test_environment_file_environment_and_user(daemon, tmp_path):

@@ -245,7 +245,7 @@ def _run_boot_unit(tmp_path, systemd_dirs, bin_dir):
     exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
     argv = [word.strip('"') for word in exec_start.removeprefix("ExecStart=").split(" ")]
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_boot_relaunch_runs_the_recorded_launch(tmp_path, fake_host, systemd_dirs):

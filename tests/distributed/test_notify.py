@@ -121,7 +121,7 @@ def test_a_hung_rank_stops_the_jobs_pings(tmp_path, supervisor):
             got += receive(1.0)
         ready = next(m for m in got if m.get("READY") == "1")
         assert ready["WATCHDOG_USEC"] == "5000000"
-        pings, deadline = 0, time.monotonic() + 60
+        pings, deadline = 0, time.monotonic() + 300
         while pings < 2 and time.monotonic() < deadline:  # both ranks step: pings
             pings += sum(m.get("WATCHDOG") == "1" for m in receive(0.5))
         assert pings >= 2

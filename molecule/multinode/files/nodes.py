@@ -131,14 +131,14 @@ def kill(lost, survivor, unit, run_dir):
     before = read_json(f"{run_dir}/heartbeat.json")
     t0 = time.monotonic()
     attach(lost, "systemctl", "kill", "--signal=SIGKILL", unit)
-    deadline = t0 + 120
+    deadline = t0 + 300
     while time.monotonic() < deadline:
         state = show(survivor, unit)
         if state["ActiveState"] not in ("active", "activating", "deactivating"):
             break
         time.sleep(POLL)
     else:
-        sys.exit(f"nodes.py: {survivor}'s {unit} still {state['ActiveState']} 120 s after the kill")
+        sys.exit(f"nodes.py: {survivor}'s {unit} still {state['ActiveState']} 300 s after the kill")
     ended = round(time.monotonic() - t0, 1)
     with open(f"{run_dir}/checkpoints/latest") as handle:  # read once nothing can write one any more
         checkpoint = int(re.search(r"(\d+)\s*$", handle.read()).group(1))

@@ -101,23 +101,23 @@ def state(unit, run_dir, log):
 def main(action, unit, run_dir, log, crash_pth=None):
     # a checkpoint and a few steps after it: the fault loses something
     wait(lambda: (latest_step(run_dir) or 0) > 0 and heartbeat(run_dir).get("step", 0) > latest_step(run_dir) + 2,
-         180, "a checkpoint and steps after it")
+         600, "a checkpoint and steps after it")
     if action == "kill":
         signal_all(unit, "SIGSTOP")  # frozen first: what is read is exactly what the kill ends
         before = state(unit, run_dir, log)
         t0 = time.monotonic()
         signal_all(unit, "SIGKILL")
-        result = recover(unit, run_dir, log, before, t0, 120)
+        result = recover(unit, run_dir, log, before, t0, 600)
     elif action == "hang":
         # frozen right after a ping, so that the watchdog's whole interval runs from the freeze whatever a
         # step takes on this machine (a slow step would otherwise leave less than the interval to wait)
         ping = last_ping(unit)
-        wait(lambda: last_ping(unit) > ping, 60, "a watchdog ping")
+        wait(lambda: last_ping(unit) > ping, 300, "a watchdog ping")
         before = state(unit, run_dir, log)
         t0 = time.monotonic()
         signal_all(unit, "SIGSTOP")  # every process of the job: nothing pings
         since_ping = t0 - last_ping(unit)  # the same clock as systemd's (CLOCK_MONOTONIC)
-        result = recover(unit, run_dir, log, before, t0, 120)
+        result = recover(unit, run_dir, log, before, t0, 600)
         result["since_ping_s"] = round(since_ping, 2)
         result["killed_after_ping_s"] = round(since_ping + result["detected_s"], 1)
     elif action == "crashloop":
@@ -133,7 +133,7 @@ def main(action, unit, run_dir, log, crash_pth=None):
         before = state(unit, run_dir, log)
         t0 = time.monotonic()
         signal_all(unit, "SIGKILL")
-        wait(lambda: show(unit)["ActiveState"] == "failed", 120, "the unit to fail")
+        wait(lambda: show(unit)["ActiveState"] == "failed", 600, "the unit to fail")
         failed = time.monotonic() - t0
         time.sleep(3)  # nothing more happens
         with open(log, errors="replace") as handle:
