@@ -12,8 +12,14 @@ lines, raw ``lxc.*`` lines written after the others, ``#`` lines are the descrip
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import time
+from contextlib import contextmanager
+
+# pve-container's PVE::LXC::Config->lock_config: an exclusive flock on this file, 10 s by default.
+LOCK_DIR = "/run/lock/lxc"
 
 
 def split_sections(text: str) -> tuple[list[str], list[str]]:
@@ -91,3 +97,39 @@ def write_content(path: str, content: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def vmid_of(path: str) -> str:
+    """``200`` for ``/etc/pve/lxc/200.conf``."""
+    name = os.path.basename(path)
+    return name[: -len(".conf")] if name.endswith(".conf") else name
+
+
+class ConfigLocked(Exception):
+    """The container's config is locked: PVE's flock is held, or the config has a ``lock:`` line."""
+
+
+@contextmanager
+def config_lock(vmid: str, timeout: float, lock_dir: str = LOCK_DIR, sleep=time.sleep, clock=time.monotonic):
+    """Hold PVE's per-container config lock (``LOCK_DIR/pve-config-VMID.lock``, the flock that
+    ``PVE::LXC::Config->lock_config`` takes around every read-modify-write of the config), waiting up to
+    `timeout` seconds for a backup, a GUI edit or a ``pct`` command that holds it."""
+    os.makedirs(lock_dir, exist_ok=True)
+    path = os.path.join(lock_dir, f"pve-config-{vmid}.lock")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # PVE opens it ">>"
+    try:
+        deadline = clock() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if clock() >= deadline:
+                    raise ConfigLocked(
+                        f"container {vmid}'s config is in use by another Proxmox task (the lock {path} was held "
+                        f"for more than {timeout:g}s): run again when it ends, or raise dflash_container_pct_lock_timeout"
+                    ) from None
+                sleep(0.1)
+        yield path
+    finally:
+        os.close(fd)

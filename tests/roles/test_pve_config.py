@@ -212,3 +212,57 @@ def test_config_parse_skips_raw_lines_and_pending():
     config = f.pct_config_to_dict(PVE_CONF)
     assert config["cores"] == "8"  # the current value, not the pending 16
     assert not any(key.startswith("lxc.") for key in config)
+
+
+def _run_module(tmp_path, args):
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
+           "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp")}  # fmt: skip
+    argv = [str(Path(sys.executable).parent / "ansible"), "localhost", "-c", "local", "-m", "dflash_pct_conf",
+            "-a", json.dumps(args), "-e", f"ansible_python_interpreter={sys.executable}"]  # fmt: skip
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_module_waits_for_pves_config_lock_and_never_writes_without_it(tmp_path):
+    """Another Proxmox task holds the container's config lock (PVE::LXC::Config->lock_config's flock): the
+    module fails naming it after its timeout and leaves the config as it was; once the lock is free, it writes."""
+    conf, locks = tmp_path / "200.conf", tmp_path / "locks"
+    conf.write_text(PVE_CONF)
+    locks.mkdir()
+    args = {"path": str(conf), "lines": ["lxc.prlimit.memlock: unlimited"], "owned": [r"^lxc\.prlimit\.memlock:"],
+            "lock_dir": str(locks), "lock_timeout": 1}  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(locks / "pve-config-200.lock")],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = _run_module(tmp_path, args)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert refused.returncode != 0, refused.stdout
+    assert "container 200's config is in use by another Proxmox task" in refused.stdout
+    assert str(locks / "pve-config-200.lock") in refused.stdout and conf.read_text() == PVE_CONF
+    done = _run_module(tmp_path, args)
+    assert done.returncode == 0 and "CHANGED" in done.stdout, done.stdout + done.stderr
+    assert "lxc.prlimit.memlock: unlimited\n\n[pve:pending]" in conf.read_text()
+
+
+def test_module_refuses_a_locked_container_and_names_the_lock_and_the_fix(tmp_path):
+    """`lock: backup` in the main section (vzdump is running): nothing written, the lock and `pct unlock` named."""
+    conf = tmp_path / "200.conf"
+    locked = PVE_CONF.replace("hostname: dflash-200\n", "hostname: dflash-200\nlock: backup\n")
+    conf.write_text(locked)
+    args = {"path": str(conf), "lines": ["lxc.prlimit.memlock: unlimited"], "owned": [r"^lxc\.prlimit\.memlock:"],
+            "lock_dir": str(tmp_path / "locks"), "locked_wait": 0}  # fmt: skip
+    refused = _run_module(tmp_path, args)
+    assert refused.returncode != 0, refused.stdout
+    assert "container 200 is locked (backup)" in refused.stdout and "pct unlock 200" in refused.stdout
+    assert conf.read_text() == locked
