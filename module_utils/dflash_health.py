@@ -153,6 +153,10 @@ def observe(host, params, backend_status, wall=None):
             obs["gpus"], obs["gpu_processes"] = query_gpus(host)
         except GpuQueryError as exc:
             obs["gpu_error"], obs["gpu_error_kind"] = str(exc), exc.kind
+        # the listed pids that exist in this (the container's) PID namespace: a driver that reports host pids
+        # lists pids that are not here, or are other processes here
+        listed = {p.get("pid") for p in obs["gpu_processes"] if p.get("pid")}
+        obs["gpu_pids_here"] = sorted(p for p in listed if pid_alive(p))
     return obs
 
 
@@ -179,9 +183,13 @@ def unit_gpu_memory(obs, gpu_ids):
     """``{index: (MiB held by the unit's processes or None, note)}`` for the listed GPUs.
 
     When nvidia-smi lists no process at all while memory is in use (a PID namespace that hides
-    them, as in many containers), the GPU's total use is taken and the note says so.
+    them, as in many containers), the GPU's total use is taken and the note says so; likewise when
+    none of the listed pids exists in this PID namespace (a driver that reports the host's pids).
+    A listed pid that does not exist here is foreign: never the unit's.
     """
     pids = set(obs.get("unit_pids") or [])
+    here = obs.get("gpu_pids_here")
+    here = None if here is None else set(here)
     by_index = {g["index"]: g for g in obs["gpus"]}
     out = {}
     for i in gpu_ids:
@@ -192,7 +200,12 @@ def unit_gpu_memory(obs, gpu_ids):
         if not procs:
             out[i] = (gpu.get("memory_used_mib"), "no processes listed by nvidia-smi: the GPU's total counted")
             continue
-        mine = [p for p in procs if p.get("pid") in pids]
+        if here is not None and not any(p.get("pid") in here for p in procs):
+            out[i] = (gpu.get("memory_used_mib"),
+                      "nvidia-smi lists pid(s) " + ", ".join(str(p.get("pid")) for p in procs)
+                      + " that do not exist in this container (host pids): the GPU's total counted")
+            continue
+        mine = [p for p in procs if p.get("pid") in pids and (here is None or p.get("pid") in here)]
         out[i] = (sum(p.get("used_memory_mib") or 0 for p in mine),
                   None if mine else "held by pid(s) " + ", ".join(str(p.get("pid")) for p in procs) + ", not the unit's")
     return out

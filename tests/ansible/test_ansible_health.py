@@ -272,7 +272,8 @@ def test_gpu_below_threshold_with_table(tmp_path, fake_host):
     trainer = Trainer(tmp_path)
     trainer.start()
     try:
-        host = fake_host({"--query-gpu": (0, GPU_CSV.format(70000, 3), ""), "--query-compute-apps": (0, "GPU-0, 4242, python, 69000\n", "")})
+        # pid 1 exists in every PID namespace and is not the unit's
+        host = fake_host({"--query-gpu": (0, GPU_CSV.format(70000, 3), ""), "--query-compute-apps": (0, "GPU-0, 1, python, 69000\n", "")})
         host.now, host.sleep = time.monotonic, time.sleep  # the trainer thread runs in real time
         result = check_health(host, params(tmp_path, gpu_ids=[0, 1], gpu_min_memory_mib=8192, progress_window=2, timeout=5, poll_interval=0.1),
                               lambda: dict(ACTIVE))  # fmt: skip
@@ -281,9 +282,9 @@ def test_gpu_below_threshold_with_table(tmp_path, fake_host):
     assert result["failed_invariants"] == ["gpu"]
     assert result["failures"][0]["reason"] == (
         "GPU memory of the unit's processes below 8192 MiB (model not loaded?): "
-        "GPU 0: 0 MiB (held by pid(s) 4242, not the unit's), "
+        "GPU 0: 0 MiB (held by pid(s) 1, not the unit's), "
         "GPU 1: 3 MiB (no processes listed by nvidia-smi: the GPU's total counted)")
-    assert "70000/143771" in result["diagnosis"] and "4242 python 69000MiB" in result["diagnosis"]
+    assert "70000/143771" in result["diagnosis"] and "1 python 69000MiB" in result["diagnosis"]
 
 
 def test_gpu_memory_counts_only_the_units_processes(tmp_path, fake_host):
@@ -352,3 +353,36 @@ def test_a_trainer_that_keeps_saying_starting_is_loading_not_hung(tmp_path, fake
                           lambda: dict(launched))  # fmt: skip
     assert frozen["state"] == "hung" and "log" in frozen["failed_invariants"]
     assert "heartbeat status 'starting', step 0 for 60s" in frozen["diagnosis"]
+
+
+# above any kernel's pid_max (2**22): a pid that exists in no PID namespace here
+HOST_PID = 4194399
+
+
+def test_gpu_pids_that_do_not_exist_here_are_host_pids_and_the_total_counts(tmp_path, fake_host):
+    """A driver that reports the node's pids inside a container: no listed pid exists in the container's
+    namespace, so none can be matched to the unit: the GPU's total counts, with a note (as with no pid listed).
+    Beside a pid of the unit, such a pid is foreign and not counted."""
+    trainer = Trainer(tmp_path)
+    trainer.start()
+    try:
+        apps = f"GPU-0, {HOST_PID}, python, 69000\nGPU-1, {HOST_PID + 1}, python, 60000\nGPU-1, {os.getpid()}, python, 9000\n"
+        host = fake_host({"--query-gpu": (0, GPU_CSV.format(70000, 69000), ""), "--query-compute-apps": (0, apps, "")})
+        host.now, host.sleep = time.monotonic, time.sleep
+        result = check_health(host, params(tmp_path, gpu_ids=[0, 1], gpu_min_memory_mib=10000, progress_window=2, timeout=3,
+                                           poll_interval=0.1), lambda: dict(ACTIVE))  # fmt: skip
+    finally:
+        trainer.running = False
+    assert result["failed_invariants"] == ["gpu"], result["diagnosis"]
+    reason = result["failures"][0]["reason"]
+    assert "GPU 0" not in reason  # 70000 MiB counted: every listed pid is the node's
+    assert "GPU 1: 9000 MiB" in reason  # the unit's own process only; the foreign 60000 MiB not
+
+
+def test_the_note_names_the_host_pids():
+    from ansible.module_utils.dflash_health import unit_gpu_memory
+
+    obs = {"unit_pids": [os.getpid()], "gpu_pids_here": [], "gpus": [{"index": 0, "uuid": "GPU-0", "memory_used_mib": 5000}],
+           "gpu_processes": [{"gpu_uuid": "GPU-0", "pid": HOST_PID, "used_memory_mib": 5000}]}  # fmt: skip
+    assert unit_gpu_memory(obs, [0]) == {0: (5000, f"nvidia-smi lists pid(s) {HOST_PID} that do not exist in this "
+                                                   "container (host pids): the GPU's total counted")}  # fmt: skip
