@@ -61,7 +61,10 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
 
     Notifier().loading()  # the supervisor's watchdog: the start-up allowance while the target loads
     apply_rendezvous_env(config)
+    from dflash import stacks
+
     if under_torchrun():
+        stacks.install(config.output_dir, int(os.environ.get("RANK", "0")))  # hang evidence (dflash/stacks.py)
         return _run_worker(config)
     from dflash.distributed.topology import plan_ranks
 
@@ -69,6 +72,7 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
     if plan.world_size == 1:
         from dflash.train import train
 
+        stacks.install(config.output_dir, 0)
         _print_done(train(config))
         return 0
     from dflash.distributed.topology import check_devices, check_target_fits
@@ -160,6 +164,7 @@ def _catches(pid: int, signum: int) -> bool:
 
 
 def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], plan) -> int:
+    from dflash import stacks
     from dflash import stop as signals
 
     cmd = torchrun_command(config, config_path, overrides, plan.nproc_per_node)
@@ -193,7 +198,9 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
         # torchrun's grace before SIGKILL of the other workers after one failed (also its default)
         env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WORKER_SHUTDOWN_S),
                **(liveness.environment() if liveness else {})}
+        stacks.ignore_for_children()  # torchrun has no SIGUSR1 handler: it inherits SIG_IGN
         proc = subprocess.Popen(cmd, env=env)
+        stacks.forward(lambda: [p for p in _worker_pids(proc.pid) if _catches(p, stacks.DUMP_SIGNAL)])
         escalated = 0
         while True:
             try:

@@ -37,6 +37,7 @@ from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model, require_fast_path
 from dflash.notify import Notifier
 from dflash.observability import RunObserver
+from dflash.stacks import previous_end, resume_note
 
 log = get_logger(__name__)
 
@@ -184,6 +185,7 @@ class Trainer:
         self.input_seconds = 0.0  # time spent obtaining inputs since the last report window
         self.last_eval: dict[str, Any] | None = None  # the last eval record (heartbeat, status)
         self.accepted_changes: dict[str, tuple[Any, Any]] = {}  # resume-contract changes allowed by the config
+        self.previous_end: dict[str, Any] | None = None  # how the previous start ended (dflash/stacks.py)
 
     # the run's inputs and the target, as the rest of the loop reads them
     @property
@@ -243,6 +245,7 @@ class Trainer:
             check_float8(self.device)
         self.input_timer = InputTimer(self.device)
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
+        self.previous_end = previous_end(out) if self.is_reporter else None  # before the heartbeat is rewritten
         self.observer.heartbeat(0, 0, "starting")
         self.compile_plan, compile_line = configure_for_run(c.compile, c.output_dir, self.device)
         self.observer.event(compile_line)
@@ -431,7 +434,8 @@ class Trainer:
             changed = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in self.accepted_changes.items())
             self.observer.event(f"resume: {changed} (changed since the checkpoint; accepted by "
                                 "checkpoint.allow_changed)")
-        self.observer.event(f"resumed from {path} at step {self.step}")
+        self.observer.event(f"resumed from {path} at step {self.step}"
+                            + resume_note(self.previous_end, self.step))
         return True
 
     # ------------------------------------------------------------------------------------------ steps
