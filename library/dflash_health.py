@@ -37,6 +37,10 @@ description:
     C(no progress: heartbeat step stayed at 12 for 60s), C(unit failed: exit status 2)), the unit state and exit
     status, the heartbeat, the GPU table and the last O(log_lines) log lines, so the trainer's own
     C(dflash: error: ...) line appears in the play output."
+  - "A C(hung) job's hang evidence: the check sends SIGUSR1 to the unit's main process when it has a handler for it (a
+    trainer with C(dflash/stacks.py): every rank dumps its threads' stacks to C(RUN_DIR/stacks/rank-R.txt)), waits up
+    to 2 s for the files, and reports every rank that dumped during this launch with its main thread's top frames,
+    naming the stuck rank(s) (RV(stacks); the diagnosis' C(stacks: rank R (stuck): top frames ...) lines)."
 version_added: "0.1.0"
 author: dflash authors
 options:
@@ -256,6 +260,15 @@ log_tail:
   returned: success
   type: list
   elements: str
+stacks:
+  description:
+    - A hung job's stacks dumped during this launch, one per rank (empty otherwise) - C(rank), C(stuck) (the rule
+      of module_utils/dflash_stacks.py - the rank(s) whose main thread's top frame is not where the others wait),
+      C(frames) (the top 3, C(function (file:line))), C(dumped_at) (unix time), C(fatal) (C(Aborted) for the
+      watchdog's SIGABRT, else null) and C(path).
+  returned: success
+  type: list
+  elements: dict
 elapsed_s:
   description: Seconds the check took.
   returned: always

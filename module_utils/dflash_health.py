@@ -40,6 +40,8 @@ import time
 
 from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, query_gpus
 from ansible.module_utils.dflash_host import read_text, read_text_checked, tail_lines_checked
+from ansible.module_utils.dflash_stacks import describe as describe_stacks
+from ansible.module_utils.dflash_stacks import hang_evidence, stacks_report
 from ansible.module_utils.dflash_unit_procs import pid_alive, proc_stat_fields
 from ansible.module_utils.dflash_unit_records import is_running
 
@@ -444,7 +446,7 @@ class HealthTracker:
 
 
 def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, finished=False, state=None,
-                     log_unsafe=None):
+                     log_unsafe=None, stacks=None):
     unit = obs["unit"]
     hb = obs.get("heartbeat") or {}
     current = obs.get("heartbeat_current")
@@ -457,6 +459,9 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
         lines.append(f"  - {failure['invariant']}: {failure['reason']}")
     if state == HUNG:
         lines.append(f"the job is hung: {RESTART_HINT}")
+        # hang evidence: every rank's stacks dumped by this launch (module_utils/dflash_stacks.py)
+        lines.extend(describe_stacks(stacks, obs["wall"]) if stacks else
+                     ["stacks: no dump from this launch (a trainer with dflash/stacks.py dumps on SIGUSR1)"])
     if state == LOST:
         lines.append("the job is lost: " + LOST_HINT.format(name=name))
     lines.append(
@@ -530,8 +535,9 @@ def check_health(host, params, status_probe, wall_clock=time.time):
     state = tracker.state
     # Only this launch's heartbeat speaks for the job; a rate is reported only while it trains.
     hb = (obs.get("heartbeat") if obs.get("heartbeat_current") else None) or {}
+    stacks = hang_evidence(host, obs, params) if state == HUNG else {}
     diagnosis = format_diagnosis(params["name"], healthy, failures, obs, log_tail, elapsed, params["log_path"],
-                                 tracker.finished, state, log_unsafe=log_unsafe)  # fmt: skip
+                                 tracker.finished, state, log_unsafe=log_unsafe, stacks=stacks)  # fmt: skip
     return {
         "healthy": healthy,
         "finished": tracker.finished,
@@ -563,5 +569,6 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         "gpu_processes": obs.get("gpu_processes", []),
         "gpu_table": format_gpu_table(obs["gpus"], obs.get("gpu_processes", ())) if obs.get("gpus") else None,
         "log_tail": log_tail or [],
+        "stacks": stacks_report(stacks),
         "elapsed_s": round(elapsed, 1),
     }

@@ -102,6 +102,8 @@ class ContainerStatus:
     gpus: list[GpuMemory] = field(default_factory=list)
     log_path: str | None = None
     log_tail: list[str] = field(default_factory=list)
+    # A hung job's hang evidence (dflash_health's `stacks`): per rank, whether it is the stuck one, its top frames.
+    stacks: list[dict[str, Any]] = field(default_factory=list)
     # playbooks/logs.yml: where the next follow read starts.
     log_next_offset: int | None = None
     failure: TaskFailure | None = None
@@ -248,6 +250,9 @@ def _describe(c: ContainerStatus) -> str:
     if c.restarts or c.crash_loop:
         bits.append(f"restarted {c.restarts}x (watchdog {c.watchdog_kills}x), last failure {c.last_exit_reason or '-'}"
                     + (": crash loop, restarts exhausted" if c.crash_loop else ""))
+    for rank in c.stacks:
+        if rank.get("stuck"):
+            bits.append(f"stuck rank {rank.get('rank')} at {' <- '.join(rank.get('frames') or []) or 'no Python frame'}")
     if c.hint:
         bits.append(c.hint)
     return ", ".join(bits)
@@ -404,6 +409,7 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
         container.gpus = _gpus(res["gpus"])
     if res.get("log_tail"):
         container.log_tail = list(res["log_tail"])
+    container.stacks = list(res.get("stacks") or [])
     if res.get("node") is not None or res.get("all_joined") is not None:
         container.job, container.nodes = res.get("job"), list(res.get("nodes") or [])
         container.node_rank = container.nodes.index(container.host) if container.host in container.nodes else None

@@ -1,0 +1,122 @@
+"""Hang evidence in the health check: a hung job's diagnosis and result name the stuck rank and its top frames from
+the stack files this launch dumped; the check asks a real trainer rank for a dump first; `dflash ops status` shows
+the stuck rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ansible.module_utils.dflash_health import check_health
+from ansible.module_utils.dflash_host import LocalHost
+from ansible.module_utils.dflash_stacks import catches
+from test_ansible_health import ACTIVE, params, write_heartbeat
+from test_ansible_unit_daemon import wait_for
+
+from dflash.ops.results import EventCollector
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUND_S = 120.0
+
+TP = "/venv/lib/python3.11/site-packages/"
+COLLECTIVE = [(TP + "torch/distributed/distributed_c10d.py", 2501, "all_reduce"),
+              (TP + "dflash/distributed/ranks.py", 120, "reduce_step"), (TP + "dflash/train.py", 520, "train_step"),
+              (TP + "dflash/train.py", 600, "run")]
+DATA_READ = [(TP + "dflash/data/chat.py", 77, "read_batch"), (TP + "dflash/train.py", 498, "next"),
+             (TP + "dflash/train.py", 515, "train_step")]
+
+
+def write_rank(run: Path, rank: int, frames):
+    text = (f"# dflash stacks: rank {rank} pid {100 + rank} started 2026-12-03T22:00:00Z (1796335200.000)\n"
+            "Current thread 0x00007f0000000001 (most recent call first):\n"
+            + "".join(f'  File "{file}", line {line} in {func}\n' for file, line, func in frames))
+    (run / "stacks").mkdir(parents=True, exist_ok=True)
+    (run / "stacks" / f"rank-{rank}.txt").write_text(text)
+
+
+def hung_job(tmp_path):
+    (tmp_path / "job.log").write_text("step 12 epoch 0 loss 3.2100\n")
+    os.utime(tmp_path / "job.log", (time.time() - 100, time.time() - 100))
+    write_heartbeat(tmp_path / "heartbeat.json", 12, age=60)
+
+
+def test_a_hung_jobs_diagnosis_names_the_stuck_rank_and_its_top_frames(tmp_path, fake_host):
+    hung_job(tmp_path)
+    for rank in (0, 1):
+        write_rank(tmp_path, rank, COLLECTIVE)
+    write_rank(tmp_path, 2, DATA_READ)
+    result = check_health(fake_host(), params(tmp_path, progress_window=1), lambda: dict(ACTIVE))
+    assert result["state"] == "hung"
+    lines = [line for line in result["diagnosis"].splitlines() if line.startswith("stacks: ")]
+    assert len(lines) == 3
+    assert lines[2].startswith("stacks: rank 2 (stuck): top frames read_batch (dflash/data/chat.py:77) <- "
+                               "next (dflash/train.py:498) <- train_step (dflash/train.py:515) (dumped ")
+    assert lines[0].startswith("stacks: rank 0: top frames all_reduce (torch/distributed/distributed_c10d.py:2501)")
+    assert [(r["rank"], r["stuck"]) for r in result["stacks"]] == [(0, False), (1, False), (2, True)]
+    assert result["stacks"][2]["frames"][0] == "read_batch (dflash/data/chat.py:77)"
+    # dflash ops status: the container line names the stuck rank, the diagnosis carries every rank's line
+    collector = EventCollector()
+    collector.add({"event": "runner_on_ok", "event_data": {"host": "c1", "task": "Read the job's health",
+                                                           "res": result, "resolved_action": "dflash_health"}})
+    ops = collector.result("status", "status.yml", "inventories/x", "successful", 0)
+    container = ops.containers["c1"]
+    assert container.state == "hung" and container.stacks == result["stacks"]
+    assert "c1 hung, step 12" in ops.message
+    assert "stuck rank 2 at read_batch (dflash/data/chat.py:77) <- next" in ops.message
+    assert "stacks: rank 2 (stuck)" in (container.diagnosis or "")
+
+
+def test_stacks_written_before_this_launch_are_not_its_evidence(tmp_path, fake_host):
+    hung_job(tmp_path)
+    write_rank(tmp_path, 0, DATA_READ)
+    old = time.time() - 7200  # the launch was an hour ago (ACTIVE): this dump belongs to an earlier one
+    os.utime(tmp_path / "stacks" / "rank-0.txt", (old, old))
+    result = check_health(fake_host(), params(tmp_path, progress_window=1), lambda: dict(ACTIVE))
+    assert result["state"] == "hung" and result["stacks"] == []
+    assert "stacks: no dump from this launch" in result["diagnosis"]
+
+
+def test_a_healthy_job_shows_no_stacks(tmp_path, fake_host):
+    (tmp_path / "job.log").write_text("step 12\n")
+    write_heartbeat(tmp_path / "heartbeat.json", 12)
+    write_rank(tmp_path, 0, DATA_READ)
+    result = check_health(fake_host(), params(tmp_path, timeout=0, progress_window=60), lambda: dict(ACTIVE))
+    assert result["state"] == "training" and result["stacks"] == []
+    assert "stacks:" not in result["diagnosis"]
+
+
+RANK = """
+import sys, time
+from dflash import stacks
+stacks.install(sys.argv[1], 0)
+
+def stuck_in_collective():
+    time.sleep(600)
+
+stuck_in_collective()
+"""
+
+
+def test_the_check_asks_a_hung_trainer_for_its_stacks(tmp_path):
+    """The unit's main process is a real trainer rank: the hung verdict sends it SIGUSR1 and reads the dump."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path)], env=env)
+    try:
+        assert wait_for(lambda: catches(rank.pid, signal.SIGUSR1), timeout=BOUND_S)
+        hung_job(tmp_path)
+        write_heartbeat(tmp_path / "heartbeat.json", 12, age=60, pid=rank.pid)
+        unit = {**ACTIVE, "main_pid": rank.pid}
+        result = check_health(LocalHost(), params(tmp_path, progress_window=1, stacks_wait=BOUND_S),
+                              lambda: dict(unit))
+        assert result["state"] == "hung", result["diagnosis"]
+        assert [r["rank"] for r in result["stacks"]] == [0] and result["stacks"][0]["stuck"]
+        assert result["stacks"][0]["frames"][0].startswith("stuck_in_collective (<string>:")
+        assert "stacks: rank 0 (stuck): top frames stuck_in_collective" in result["diagnosis"]
+        assert rank.poll() is None  # a dump, not a kill
+    finally:
+        rank.kill()
+        rank.wait()
