@@ -110,3 +110,30 @@ def test_legacy_lines():
 )
 def test_library_version(path, version):
     assert f.nvidia_library_version(path) == version
+
+
+# `pveam available --section system` on a PVE 8 node (abridged: each section's lines as pveam prints them).
+PVEAM_AVAILABLE = """\
+system          almalinux-9-default_20240911_amd64.tar.xz
+system          alpine-3.20-default_20240908_amd64.tar.xz
+system          debian-11-standard_11.7-1_amd64.tar.zst
+system          debian-12-standard_12.2-1_amd64.tar.zst
+system          debian-12-standard_12.12-1_amd64.tar.zst
+system          debian-12-standard_12.7-1_amd64.tar.zst
+system          debian-13-standard_13.1-2_amd64.tar.zst
+system          ubuntu-24.04-standard_24.04-2_amd64.tar.zst
+""".splitlines()
+PVEAM_LIST = """\
+NAME                                                         SIZE
+local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst         120.29MB
+""".splitlines()
+
+
+def test_the_newest_debian_standard_template_is_chosen_by_version_not_by_text():
+    newest = f.newest_debian_template
+    assert newest(PVEAM_AVAILABLE, PVEAM_LIST, "local") == "local:vztmpl/debian-13-standard_13.1-2_amd64.tar.zst"
+    without_13 = [line for line in PVEAM_AVAILABLE if "debian-13" not in line]
+    assert newest(without_13, [], "local") == "local:vztmpl/debian-12-standard_12.12-1_amd64.tar.zst"  # 12.12 > 12.7
+    # no index (an offline node): the newest one already on the storage
+    assert newest([], PVEAM_LIST, "nfs") == "nfs:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
+    assert newest(["system          ubuntu-24.04-standard_24.04-2_amd64.tar.zst"], [], "local") == ""

@@ -25,6 +25,7 @@ def _render_all(tmp_path: Path, cases: dict[str, tuple[str, dict]]) -> dict[str,
     env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": str(tmp_path),
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}  # fmt: skip
     extra = {"dflash_container_id": 200, "dflash_container_pct_template": "local:vztmpl/debian-12.tar.zst",
+             "_dflash_container_template": "local:vztmpl/debian-12.tar.zst",
              "_dflash_container_dir": "/var/lib/lxc/c1", "_dflash_container_mounts": [], "dflash_container_name": "c1",
              "ansible_managed": "managed"}  # fmt: skip
     proc = subprocess.run([f"{sys.prefix}/bin/ansible-playbook", "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),

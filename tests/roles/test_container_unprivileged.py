@@ -23,7 +23,8 @@ def _render(expression: str, tmp_path: Path, **extra) -> object:
     (tmp_path / "play.yml").write_text(json.dumps(play))
     env = {"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": f"{sys.prefix}/bin:/usr/bin:/bin", "HOME": str(tmp_path),
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}  # fmt: skip
-    extra = {"dflash_container_id": 200, "dflash_container_pct_template": "local:vztmpl/debian-12.tar.zst", **extra}
+    extra = {"dflash_container_id": 200, "dflash_container_pct_template": "local:vztmpl/debian-12.tar.zst",
+             "_dflash_container_template": "local:vztmpl/debian-12.tar.zst", **extra}
     proc = subprocess.run([f"{sys.prefix}/bin/ansible-playbook", "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
                            "-e", f"ansible_python_interpreter={sys.executable}", str(tmp_path / "play.yml")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -240,6 +240,25 @@ def nvidia_library_version(path: str) -> str:
     return match.group(1) if match else ""
 
 
+_STANDARD = re.compile(r"^debian-(12|13)-standard_(\d+)\.(\d+)-(\d+)_amd64\.tar\.(?:zst|gz|xz)$")
+
+
+def newest_debian_template(available: list[str], listed: list[str], storage: str) -> str:
+    """The newest Debian 12 or 13 standard template, as ``STORAGE:vztmpl/NAME``, among those `pveam available
+    --section system` lists (``system  NAME`` lines) and those already on `storage` (`pveam list STORAGE`:
+    ``STORAGE:vztmpl/NAME  SIZE`` lines); '' when there is none."""
+    names = [line.split()[1] for line in available if len(line.split()) >= 2 and line.split()[0] == "system"]
+    names += [line.split()[0].split(":vztmpl/", 1)[1] for line in listed if ":vztmpl/" in (line.split() or [""])[0]]
+    versions = {}
+    for name in names:
+        match = _STANDARD.match(name)
+        if match:
+            versions[name] = tuple(int(g) for g in match.groups()[1:])
+    if not versions:
+        return ""
+    return f"{storage}:vztmpl/{max(versions, key=lambda n: (versions[n], n.endswith('.zst')))}"
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -258,4 +277,5 @@ class FilterModule:
             "dflash_numa_cpuset": numa_cpuset,
             "dflash_cpulist_count": cpulist_count,
             "dflash_nvidia_library_version": nvidia_library_version,
+            "dflash_newest_debian_template": newest_debian_template,
         }
