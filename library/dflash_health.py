@@ -112,10 +112,17 @@ options:
     type: list
     elements: str
     default: []
+  dump_stacks:
+    description:
+      - Ask the running job for a stack dump whatever its state (the job role, before a restart requested with
+        C(dflash_job_state=restarted)). A C(hung) job is always asked. Only a main process with a handler for SIGUSR1
+        is signalled.
+    type: bool
+    default: false
 attributes:
   check_mode:
     support: full
-    description: Only reads; runs the same in check mode.
+    description: Only reads (a stack dump, a signal the trainer handles, is asked for in check mode too); runs the same in check mode.
   diff_mode:
     support: none
     description: Changes nothing.
@@ -314,6 +321,7 @@ def main():
             "node_heartbeat_path": {"type": "path"},
             "node_rank": {"type": "int", "default": 0},
             "nodes": {"type": "list", "elements": "str", "default": []},
+            "dump_stacks": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )

@@ -535,7 +535,7 @@ def check_health(host, params, status_probe, wall_clock=time.time):
     state = tracker.state
     # Only this launch's heartbeat speaks for the job; a rate is reported only while it trains.
     hb = (obs.get("heartbeat") if obs.get("heartbeat_current") else None) or {}
-    stacks = hang_evidence(host, obs, params) if state == HUNG else {}
+    stacks = hang_evidence(host, obs, params) if state == HUNG or params.get("dump_stacks") else {}
     diagnosis = format_diagnosis(params["name"], healthy, failures, obs, log_tail, elapsed, params["log_path"],
                                  tracker.finished, state, log_unsafe=log_unsafe, stacks=stacks)  # fmt: skip
     return {

@@ -389,6 +389,8 @@ def _apply_unit(container: ContainerStatus, res: dict[str, Any]) -> None:
         return
     _apply_unit_fields(container, res)
     container.action = res.get("action")
+    if container.action in ("stopped", "removed"):  # a health read before the stop (its stacks) is history now
+        container.healthy = container.health_state = container.hint = None
 
 
 def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:

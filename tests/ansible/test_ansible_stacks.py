@@ -68,6 +68,13 @@ def test_a_hung_jobs_diagnosis_names_the_stuck_rank_and_its_top_frames(tmp_path,
     assert "c1 hung, step 12" in ops.message
     assert "stuck rank 2 at read_batch (dflash/data/chat.py:77) <- next" in ops.message
     assert "stacks: rank 2 (stuck)" in (container.diagnosis or "")
+    # stop.yml reads the health first (the dump), then stops: the job reads as stopped, its evidence stays
+    collector.add({"event": "runner_on_ok", "event_data": {
+        "host": "c1", "task": "Stop the trainer unit", "resolved_action": "dflash_unit",
+        "res": {"action": "stopped", "active_state": "inactive", "sub_state": "dead", "exit_status": 0}}})
+    stopped = collector.result("stop", "stop.yml", "inventories/x", "successful", 0)
+    assert stopped.containers["c1"].state == "stopped"
+    assert "stuck rank 2 at read_batch" in stopped.message and "dflash_job_state=restarted" not in stopped.message
 
 
 def test_stacks_written_before_this_launch_are_not_its_evidence(tmp_path, fake_host):
@@ -117,6 +124,26 @@ def test_the_check_asks_a_hung_trainer_for_its_stacks(tmp_path):
         assert result["stacks"][0]["frames"][0].startswith("stuck_in_collective (<string>:")
         assert "stacks: rank 0 (stuck): top frames stuck_in_collective" in result["diagnosis"]
         assert rank.poll() is None  # a dump, not a kill
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_a_restart_request_asks_a_running_trainer_for_its_stacks_whatever_its_state(tmp_path):
+    """dump_stacks (the role, before a restart requested with dflash_job_state=restarted): a dump though it trains."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path)], env=env)
+    try:
+        assert wait_for(lambda: catches(rank.pid, signal.SIGUSR1), timeout=BOUND_S)
+        (tmp_path / "job.log").write_text("step 12\n")
+        write_heartbeat(tmp_path / "heartbeat.json", 12, pid=rank.pid)
+        unit = {**ACTIVE, "main_pid": rank.pid}
+        result = check_health(LocalHost(), params(tmp_path, timeout=0, progress_window=60, dump_stacks=True,
+                                                  stacks_wait=BOUND_S), lambda: dict(unit))
+        assert result["state"] == "training"
+        assert [r["rank"] for r in result["stacks"]] == [0]
+        assert result["stacks"][0]["frames"][0].startswith("stuck_in_collective (<string>:")
+        assert "stacks:" not in result["diagnosis"]  # shown for a hung job only
     finally:
         rank.kill()
         rank.wait()
