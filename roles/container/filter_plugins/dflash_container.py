@@ -259,6 +259,29 @@ def newest_debian_template(available: list[str], listed: list[str], storage: str
     return f"{storage}:vztmpl/{max(versions, key=lambda n: (versions[n], n.endswith('.zst')))}"
 
 
+def unwritable_sources(results: list[dict], root_uid) -> list[str]:
+    """From the `stat` results of the bind-mount sources (looped over dflash_container_bind_mounts): the writable
+    ones (no ``readonly: true``) that exist but that the container's root (node uid `root_uid`) cannot write - not
+    its owner and not world-writable - as ``SRC (owner uid N)``."""
+    out = []
+    for result in results:
+        st, item = result.get("stat") or {}, result.get("item") or {}
+        if not st.get("exists") or item.get("readonly") or st.get("uid") == int(root_uid) or st.get("woth"):
+            continue
+        out.append(f"{item.get('src')} (owner uid {st.get('uid')})")
+    return out
+
+
+def net0_problems(net0: str) -> list[str]:
+    """What a `pct --net0` value lacks for apt and pip to work in the container: a static ``ip=`` needs ``gw=``."""
+    fields = dict(part.split("=", 1) for part in net0.split(",") if "=" in part)
+    ip = fields.get("ip", "")
+    if not ip or ip in ("dhcp", "manual") or "gw" in fields:
+        return []
+    return [f"dflash_container_pct_net0 ({net0}) has a static ip= and no gw=: the container has no route out, so apt "
+            "and pip fail inside it; add gw=GATEWAY (or ip=dhcp where the bridge has a DHCP server)"]
+
+
 class FilterModule:
     def filters(self):
         return {
@@ -278,4 +301,6 @@ class FilterModule:
             "dflash_cpulist_count": cpulist_count,
             "dflash_nvidia_library_version": nvidia_library_version,
             "dflash_newest_debian_template": newest_debian_template,
+            "dflash_unwritable_sources": unwritable_sources,
+            "dflash_net0_problems": net0_problems,
         }

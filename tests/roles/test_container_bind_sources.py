@@ -1,0 +1,91 @@
+"""The sources of a Proxmox container's bind mounts (roles/container/tasks/proxmox/bind_sources.yml), run by
+ansible-playbook on this machine: a missing one is created owned by the container's root (uid 100000 on the node
+for an unprivileged container: PVE refuses to start a container whose mount source is missing); an existing one
+the container's root cannot write is refused with the chown that fixes it; readonly mounts and privileged
+containers are left alone. And the two-node example inventory passes the checks a first start needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from .conftest import ROOT, load_plugin
+
+f = load_plugin("container", "dflash_container")
+
+
+def _run(tmp_path, cases):
+    tasks = []
+    for name, variables in cases.items():
+        tasks.append({"name": name, "block": [
+            {"name": "Bind sources", "ansible.builtin.include_role": {"name": "container", "tasks_from": "proxmox/bind_sources.yml"},
+             "vars": {"dflash_container_host": "node-a", **variables}},
+            {"name": "Keep success", "ansible.builtin.set_fact": {f"result_{name}": {"ok": True}}},
+        ], "rescue": [{"name": "Keep the failure", "ansible.builtin.set_fact": {f"result_{name}": {"ok": False, "msg": "{{ ansible_failed_result.msg }}"}}}]})  # fmt: skip
+    tasks.append({"name": "Dump", "ansible.builtin.copy": {"dest": str(tmp_path / "results.json"), "mode": "0644",
+                  "content": "{{ {" + ", ".join(f"'{n}': result_{n}" for n in cases) + "} | to_json }}"}})  # fmt: skip
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(ROOT / "roles"),
+           "ANSIBLE_NOCOLOR": "1"}  # fmt: skip
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           str(playbook), "-e", json.dumps({"ansible_python_interpreter": sys.executable})],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+def test_bind_mount_sources_are_created_for_the_mapped_root_and_unwritable_ones_refused(tmp_path):
+    missing, root_owned, readonly = tmp_path / "cephfs" / "dflash", tmp_path / "root-owned", tmp_path / "data"
+    root_owned.mkdir()
+    readonly.mkdir()
+    os.chmod(root_owned, 0o755)
+    results = _run(tmp_path, {
+        "unprivileged": {"dflash_container_pct_unprivileged": True, "dflash_container_bind_mounts": [
+            {"src": str(missing), "dest": "/srv/dflash-shared"}, {"src": str(readonly), "dest": "/data", "readonly": True}]},
+        "root_owned": {"dflash_container_pct_unprivileged": True,
+                       "dflash_container_bind_mounts": [{"src": str(root_owned), "dest": "/srv/x"}]},
+        "privileged": {"dflash_container_pct_unprivileged": False,
+                       "dflash_container_bind_mounts": [{"src": str(root_owned), "dest": "/srv/x"}]},
+    })  # fmt: skip
+    assert results["unprivileged"] == {"ok": True}
+    st = missing.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (100000, 100000, 0o750)
+    assert readonly.stat().st_uid == os.getuid()  # a readonly mount's source is not touched
+    msg = results["root_owned"]["msg"]
+    assert not results["root_owned"]["ok"] and f"{root_owned} (owner uid 0) on node-a" in msg, msg
+    assert "chown 100000:100000 DIR" in msg and root_owned.stat().st_uid == 0
+    assert results["privileged"] == {"ok": True}
+
+
+def test_the_filters_name_unwritable_sources_and_a_static_address_without_gateway():
+    results = [{"item": {"src": "/a"}, "stat": {"exists": True, "uid": 0, "woth": False}},
+               {"item": {"src": "/b"}, "stat": {"exists": True, "uid": 100000, "woth": False}},
+               {"item": {"src": "/c"}, "stat": {"exists": True, "uid": 0, "woth": True}},
+               {"item": {"src": "/d", "readonly": True}, "stat": {"exists": True, "uid": 0, "woth": False}},
+               {"item": {"src": "/e"}, "stat": {"exists": False}}]  # fmt: skip
+    assert f.unwritable_sources(results, "100000") == ["/a (owner uid 0)"]
+    assert f.net0_problems("name=eth0,bridge=vmbr1,ip=10.10.0.200/24")[0].startswith("dflash_container_pct_net0 (")
+    assert f.net0_problems("name=eth0,bridge=vmbr1,ip=10.10.0.200/24,gw=10.10.0.1") == []
+    assert f.net0_problems("name=eth0,bridge=vmbr0,ip=dhcp") == [] and f.net0_problems("none") == []
+
+
+def test_the_two_node_example_has_a_gateway_and_absolute_mount_sources():
+    """What the example must give for its containers to start and install packages (failed before: no gw=)."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    data = json.loads(subprocess.run([str(Path(sys.executable).parent / "ansible-inventory"), "-i",
+                                      "inventories/proxmox-multinode.example", "--list"],
+                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=600).stdout)  # fmt: skip
+    hosts = data["qwen3_8b_2node"]["hosts"]
+    assert len(hosts) == 2
+    for host in hosts:
+        hv = data["_meta"]["hostvars"][host]
+        net0 = hv["dflash_container_pct_net0"].replace("{{ dflash_container_id }}", str(hv["dflash_container_id"]))
+        assert f.net0_problems(net0) == [], (host, net0)
+        assert all(m["src"].startswith("/") for m in hv["dflash_container_bind_mounts"])
+        assert hv["dflash_job_rendezvous_address"].startswith("10.10.0.")
