@@ -5,8 +5,9 @@
 A small root process outside the job's process group. It forks the job into its own group (as the
 trainer's user), records every end of it in the state directory (``exit_status``, one line per end in
 ``events``: time, result, how it ended), restarts it on failure with a delay and a bounded burst, kills it
-when its watchdog pings stop (the sd_notify protocol on an abstract socket named in NOTIFY_SOCKET), and runs
-the operator's failure hook when the restarts are exhausted.
+when its watchdog pings stop (the sd_notify protocol on an abstract socket named in NOTIFY_SOCKET; a trainer
+is asked for its stacks first: SIGUSR1, when it has a handler), and runs the operator's failure hook when the
+restarts are exhausted.
 
 Run by dflash_unit as ``python -I -c <this file's source> STATE_DIR PIPE_FD OPTIONS_FILE -- COMMAND...``;
 it imports nothing outside the standard library. OPTIONS_FILE (root's, 0600, in the root-only state
@@ -32,6 +33,8 @@ import time
 # Ends that count as success for Restart=on-failure (systemd's clean exit signals) and exits never restarted.
 CLEAN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE)
 NO_RESTART_EXIT_STATUS = (2,)
+# The watchdog's kill waits this long after asking the job for its stacks (ask_for_stacks).
+STACKS_WAIT_S = 2.0
 # struct ucred: pid, uid, gid
 UCRED = struct.Struct("iII")
 
@@ -112,6 +115,21 @@ def receive_notify(sock, allowed_uids, refused):
     return parse_notify(data)
 
 
+def ask_for_stacks(pid, wait=STACKS_WAIT_S):
+    """Hang evidence before the watchdog's kill: a trainer (dflash/stacks.py; its launcher passes it on to the ranks)
+    dumps every thread's stack to RUN_DIR/stacks/ on SIGUSR1. Sent only when the job's main process has a handler for
+    it (SigCgt): SIGUSR1 would kill anything else."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            caught = next((int(line.split()[1], 16) for line in handle if line.startswith("SigCgt:")), 0)
+        if not caught >> (signal.SIGUSR1 - 1) & 1:
+            return
+        os.kill(pid, signal.SIGUSR1)
+    except (OSError, ValueError, IndexError):
+        return
+    time.sleep(wait)
+
+
 def wait_job(pid, sock, watchdog, allowed_uids=(0,)):
     """Wait for the job to end; kill its group when the watchdog expires. Returns (wait status, watchdog kill)."""
     refused = set()
@@ -132,6 +150,7 @@ def wait_job(pid, sock, watchdog, allowed_uids=(0,)):
             if fields.get("WATCHDOG") == "1" and interval:
                 deadline = time.monotonic() + interval
         if deadline is not None and time.monotonic() > deadline:
+            ask_for_stacks(pid)
             try:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ansible.module_utils.dflash_health import check_health
 from ansible.module_utils.dflash_host import LocalHost
-from ansible.module_utils.dflash_stacks import catches
+from ansible.module_utils.dflash_stacks import catches, read_stacks
 from test_ansible_health import ACTIVE, params, write_heartbeat
 from test_ansible_unit_daemon import wait_for
 
@@ -147,3 +147,37 @@ def test_a_restart_request_asks_a_running_trainer_for_its_stacks_whatever_its_st
     finally:
         rank.kill()
         rank.wait()
+
+
+# A trainer stand-in: its stack handler, one step (READY and the steady watchdog interval), then no more pings.
+HANGING = """
+import sys, time
+from dflash import stacks
+from dflash.notify import Notifier
+stacks.install(sys.argv[1], 0)
+Notifier().step(1)
+
+def stuck_in_collective():
+    time.sleep(600)
+
+stuck_in_collective()
+"""
+
+
+def test_the_daemon_watchdog_asks_a_hung_trainer_for_its_stacks_before_the_kill(tmp_path):
+    from ansible.module_utils.dflash_unit_daemon import DaemonBackend
+
+    backend = DaemonBackend(LocalHost())
+    spec = {"name": "stacks-" + tmp_path.name[-20:], "command": [sys.executable, "-c", HANGING, str(tmp_path)],
+            "log_path": str(tmp_path / "job.log"), "state_dir": str(tmp_path / "state"), "stop_timeout": 5,
+            "working_directory": str(tmp_path), "environment": {"PYTHONPATH": str(ROOT)}, "config_hash": "h1",
+            "settle_time": 0, "restart": {"policy": "no"}, "watchdog": {"interval": 1, "start_interval": 300}}
+    backend.start(spec)
+    try:
+        status = wait_for(lambda: (s := backend.status(spec))["watchdog_kills"] and s, timeout=BOUND_S)
+        assert status and status["last_exit_reason"] == "watchdog (killed KILL)", backend.status(spec)
+        stacks = read_stacks(str(tmp_path))
+        assert [r for r in stacks] == [0] and stacks[0]["frames"][0].startswith("stuck_in_collective (<string>:")
+        assert stacks[0]["fatal"] is None  # SIGUSR1's dump; the kill itself is SIGKILL
+    finally:
+        backend.stop(spec)
