@@ -33,8 +33,11 @@ def probe_fast_path(device: torch.device) -> FastPathReport:
 
 
 def collect() -> dict[str, Any]:
+    from dflash.driver import driver_cuda_version, mismatch
+
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-                            "cuda_version": torch.version.cuda}
+                            "cuda_version": torch.version.cuda, "driver_cuda": driver_cuda_version()}
+    info["driver_mismatch"] = mismatch(info["driver_cuda"], torch.version.cuda, f"torch {torch.__version__}")
     try:
         import transformers
 
@@ -70,6 +73,9 @@ def collect() -> dict[str, Any]:
 
 def render(info: dict[str, Any]) -> str:
     lines = [f"torch {info['torch']} (CUDA {info['cuda_version']}), transformers {info['transformers']}"]
+    lines.append(f"NVIDIA driver: {'supports CUDA ' + info['driver_cuda'] if info.get('driver_cuda') else 'none found'}")
+    if info.get("driver_mismatch"):
+        lines.append(f"DRIVER MISMATCH: {info['driver_mismatch']}")
     if info["gpus"]:
         for g in info["gpus"]:
             lines.append(f"GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, sm_{g['capability'].replace('.', '')}")
