@@ -181,3 +181,32 @@ def test_the_daemon_watchdog_asks_a_hung_trainer_for_its_stacks_before_the_kill(
         assert stacks[0]["fatal"] is None  # SIGUSR1's dump; the kill itself is SIGKILL
     finally:
         backend.stop(spec)
+
+
+def test_make_status_shows_every_ranks_top_frames_and_the_stuck_one():
+    """roles/job/templates/status.txt.j2 (status.yml, `make status`), rendered as Ansible renders it (trim_blocks)."""
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined)
+    env.filters.update(dirname=os.path.dirname, bool=bool)
+    template = env.from_string((ROOT / "roles" / "job" / "templates" / "status.txt.j2").read_text())
+    stacks = [{"rank": 0, "stuck": False, "frames": ["all_reduce (torch/distributed/distributed_c10d.py:2501)",
+                                                     "reduce_step (dflash/distributed/ranks.py:120)"],
+               "fatal": None, "path": "/runs/job/stacks/rank-0.txt"},
+              {"rank": 1, "stuck": True, "frames": ["read_batch (dflash/data/chat.py:77)"], "fatal": None,
+               "path": "/runs/job/stacks/rank-1.txt"}]
+    health = {"state": "hung", "ok": False, "failures": [], "hint": "restart it", "step": 12, "epoch": 0,
+              "unit": {"backend": "daemon", "active_state": "active", "sub_state": "running", "main_pid": 5,
+                       "exit_status": None}, "heartbeat_current": True, "heartbeat": {}, "checkpoint": None,
+              "tokens_per_s": None, "tau": None, "loss": None, "gpu_table": None, "log_tail": [], "all_joined": None,
+              "lost_node": None, "stacks": stacks}
+    text = template.render(dflash_job_health=health, inventory_hostname="c1", dflash_job_name="job",
+                           _dflash_job_multinode=False, _dflash_job_gpu_ids=[], dflash_job_log_path="/log")
+    lines = text.splitlines()
+    assert "stacks     rank 0: all_reduce (torch/distributed/distributed_c10d.py:2501) <- reduce_step " \
+           "(dflash/distributed/ranks.py:120)" in lines
+    assert "stacks     rank 1 (stuck): read_batch (dflash/data/chat.py:77)" in lines
+    assert "           (every thread: /runs/job/stacks/rank-R.txt)" in lines
+    assert "stacks" not in template.render(dflash_job_health={**health, "stacks": []}, inventory_hostname="c1",
+                                           dflash_job_name="job", _dflash_job_multinode=False,
+                                           _dflash_job_gpu_ids=[], dflash_job_log_path="/log")
