@@ -30,33 +30,36 @@ FORWARD_WAIT_S = 1.0  # the launcher's SIGABRT: time for its ranks to write thei
 _FILE = None  # kept open for the process's life: faulthandler writes to its descriptor
 _ENABLED = False  # faulthandler.enable() (fatal signals) writes to _FILE
 _PREVIOUS_FATAL: str | None = None  # the fatal error that ended this rank's previous start (its last dump), if any
+_PREVIOUS_DUMPED = False  # this rank's previous start dumped its stacks (a hang: health, a restart, the watchdog)
 
 
 def stacks_path(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / STACKS_DIR / f"rank-{rank}.txt"
 
 
-def _last_fatal(path: Path) -> str | None:
-    """`Fatal Python error: X` in the last start's part of a stack file: X (e.g. `Aborted`), else None."""
+def _last_start(path: Path) -> tuple[bool, str | None]:
+    """The last start's part of a stack file: whether it holds a dump, and the fatal error of its last fatal dump
+    (`Fatal Python error: X`: X, e.g. `Aborted`) or None."""
     try:
         with open(path, "rb") as fh:
             fh.seek(max(0, path.stat().st_size - 256 * 1024))
             text = fh.read().decode("utf-8", "replace")
     except OSError:
-        return None
+        return False, None
     text = text.rsplit(HEADER_PREFIX, 1)[-1]
     found = re.findall(r"^Fatal Python error: (.*)$", text, re.M)
-    return found[-1].strip() if found else None
+    dumped = re.search(r"^(Current thread|Thread) 0x", text, re.M) is not None
+    return dumped or bool(found), (found[-1].strip() if found else None)
 
 
 def install(run_dir: str | os.PathLike, rank: int) -> Path | None:
     """Dump every thread's stack to RUN_DIR/stacks/rank-RANK.txt on SIGUSR1 and on a fatal signal. Never fails
     the run: an unwritable run directory is reported by the trainer itself (one warning here, no dumps)."""
-    global _FILE, _PREVIOUS_FATAL, _ENABLED
+    global _FILE, _PREVIOUS_FATAL, _PREVIOUS_DUMPED, _ENABLED
     path = stacks_path(run_dir, rank)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _PREVIOUS_FATAL = _last_fatal(path) if path.is_file() else None
+        _PREVIOUS_DUMPED, _PREVIOUS_FATAL = _last_start(path) if path.is_file() else (False, None)
         fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
         now = time.time()
         fh.write(f"{HEADER_PREFIX} rank {rank} pid {os.getpid()} started "
@@ -79,6 +82,11 @@ def install(run_dir: str | os.PathLike, rank: int) -> Path | None:
 def previous_fatal() -> str | None:
     """The fatal error (e.g. `Aborted`: the watchdog's SIGABRT) whose dump ended this rank's previous start."""
     return _PREVIOUS_FATAL
+
+
+def previous_dumped() -> bool:
+    """Whether this rank's previous start dumped its stacks (on SIGUSR1 or a fatal signal)."""
+    return _PREVIOUS_DUMPED
 
 
 def forward(ranks: Callable[[], list[int]]) -> None:
@@ -122,6 +130,9 @@ def previous_end(run_dir: str | os.PathLike) -> dict | None:
     fatal = previous_fatal()
     if fatal:
         reason = f"killed by a fatal signal ({fatal}; the watchdog sends SIGABRT), stacks in {STACKS_DIR}/"
+    elif previous_dumped() and status in ("training", "starting"):
+        reason = (f"killed after a stack dump (a hang: the watchdog, or a stop or restart of a hung job), stacks in "
+                  f"{STACKS_DIR}/")
     elif status == "stopped":
         reason = "stopped on request"
     elif status == "finished":
@@ -142,5 +153,5 @@ def resume_note(previous: dict | None, resumed_step: int) -> str:
             f"steps redone {redone}")
 
 
-__all__ = ["DUMP_SIGNAL", "forward", "ignore_for_children", "install", "previous_end", "previous_fatal",
-           "resume_note", "stacks_path"]
+__all__ = ["DUMP_SIGNAL", "forward", "ignore_for_children", "install", "previous_dumped", "previous_end",
+           "previous_fatal", "resume_note", "stacks_path"]

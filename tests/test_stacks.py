@@ -100,6 +100,13 @@ def test_a_rank_dumps_its_stacks_on_sigusr1_and_on_the_watchdogs_sigabrt(tmp_pat
     assert len(dumps) == 2 and dumps[1]["fatal"] == "Aborted"
     assert read_stacks(run)[0]["fatal"] == "Aborted"
     assert any("stuck_in_collective" in f for f in read_stacks(run)[0]["frames"])
+    # the next start of the rank knows how the previous one ended (its resume line says so)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    again = subprocess.run([sys.executable, "-c", "import sys\nfrom dflash import stacks\nstacks.install(sys.argv[1], 0)\n"
+                            "print(stacks.previous_dumped(), stacks.previous_fatal())", str(run)],
+                           env=env, capture_output=True, text=True, timeout=BOUND_S)
+    assert again.stdout.split() == ["True", "Aborted"], again.stderr
+    assert read_stacks(run) == {}  # the new start has not dumped yet
 
 
 def test_the_launcher_passes_the_dump_signal_on_and_has_its_ranks_dump_before_it_aborts(tmp_path):
@@ -222,6 +229,12 @@ def test_the_resume_line_says_how_the_previous_start_ended_and_the_steps_redone(
     previous = stacks.previous_end(run)
     assert previous["step"] == 0 and previous["reason"].startswith("killed by a fatal signal (Aborted;")
     assert stacks.resume_note(previous, 6).endswith("steps redone 0")
+    # a start killed after its stacks were dumped on SIGUSR1 (a hung one: the health check, a restart, the daemon
+    # backend's watchdog) while its heartbeat still said training
+    monkeypatch.setattr(stacks, "_PREVIOUS_FATAL", None)
+    monkeypatch.setattr(stacks, "_PREVIOUS_DUMPED", True)
+    assert stacks.previous_end(run)["reason"].startswith("killed after a stack dump (a hang")
+    monkeypatch.setattr(stacks, "_PREVIOUS_DUMPED", False)
     # a clean stop
     (run / "heartbeat.json").write_text(json.dumps({**beat, "step": 6, "status": "stopped"}))
     monkeypatch.setattr(stacks, "_PREVIOUS_FATAL", None)
