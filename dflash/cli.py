@@ -144,6 +144,11 @@ def _cmd_regenerate(args) -> int:
     return run_regenerate(args)
 
 
+def _is_override(arg: str) -> bool:
+    """A `key.path=value` override (not an option, not a stray word)."""
+    return not arg.startswith("-") and "=" in arg
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -151,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         from dflash.ops.cli import main as ops_main
 
         return ops_main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides after the options apply like those before them; anything else is refused
+        if args.command in ("train", "eval") and all(_is_override(a) for a in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "eval": _cmd_eval,
                "synth-data": _cmd_synth, "regenerate": _cmd_regenerate}
     try:

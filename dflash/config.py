@@ -468,6 +468,8 @@ def validate(config: RunConfig) -> None:
     _require(data.max_length >= d.block_size + 1,
              f"data.max_length ({data.max_length}) must exceed drafter.block_size ({d.block_size})")
     _require(data.bucket_size >= 1, "data.bucket_size must be >= 1")
+    _require(data.min_loss_tokens >= 1, f"data.min_loss_tokens must be >= 1 (got {data.min_loss_tokens}): a sample "
+             "with no assistant token to predict trains nothing")
     _require(data.token_budget >= data.max_length,
              f"data.token_budget ({data.token_budget}) is smaller than one sequence of data.max_length "
              f"({data.max_length}); raise data.token_budget to at least {data.max_length} or lower "
@@ -506,6 +508,8 @@ def validate(config: RunConfig) -> None:
     _require(config.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1")
     validate_allow_changed(config.checkpoint.allow_changed)
     _require(config.logging.interval >= 1, "logging.interval must be >= 1")
+    _require(config.logging.eval_interval >= 0, f"logging.eval_interval must be >= 0 steps, 0 = only at the end "
+             f"(got {config.logging.eval_interval})")
     if config.compile.flex_kernel_options is not None:
         check_flex_options(config.compile.flex_kernel_options)
     validate_topology(config.topology)

@@ -19,3 +19,8 @@ class DataError(BadInput):
 
 class DiskFull(DflashError):
     """No space left where the run writes (checkpoints, metrics); the message names the directory. Exit code 1."""
+
+
+class Diverged(DflashError):
+    """The loss or the weights became non-finite (NaN/inf): usually optim.lr too high. No checkpoint is written
+    with such weights. Exit code 1: found only while training, it may also be the data or the numerics."""

@@ -202,6 +202,31 @@ def evaluate_speculative(target: Target, drafter: Drafter, prompts: list[Prompt]
 
 
 # ------------------------------------------------------------------------------------------------ the CLI
+def check_out_path(out: str) -> None:
+    """`--out` can be written once the evaluation is done: checked before it starts (the result is not lost)."""
+    path = Path(out)
+    if path.is_dir():
+        raise BadInput(f"--out '{out}' is a directory; name the JSON file to write")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise BadInput(f"--out '{out}': the directory '{parent}' does not exist; create it (mkdir -p {parent}) or "
+                       "choose another path")
+
+
+def check_drafter_fits(drafter: Drafter, text_config, source) -> None:
+    """The drafter's shapes are the target's (hidden size, vocabulary, depth): one line naming both, before the
+    target loads, instead of a shape error inside the first forward."""
+    arch = drafter.arch
+    want = {"hidden_size": int(text_config.hidden_size), "vocab_size": int(text_config.vocab_size)}
+    if arch.num_target_layers:  # 0: a drafter exported before it was recorded
+        want["num_target_layers"] = int(text_config.num_hidden_layers)
+    bad = [f"{key} {getattr(arch, key)} (the target's: {value})" for key, value in want.items()
+           if getattr(arch, key) != value]
+    if bad:
+        raise BadInput(f"drafter '{source}' does not fit the config's target: its {', '.join(bad)}; evaluate it "
+                       "with the config (target) it was trained with")
+
+
 def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, prompts_file: str | None,
              num_prompts: int, max_new_tokens: int, as_json: bool, out: str | None = None,
              thinking: str = "keep") -> int:
@@ -209,14 +234,17 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
     from dflash.devices import pick_device
     from dflash.export import resolve_checkpoint
     from dflash.inputs import load_datasets, load_tokenizer
-    from dflash.models.target import build_hf_model, num_layers_of
+    from dflash.models.target import build_hf_model, num_layers_of, target_config, text_config_of
 
     config = load_config(config_path, overrides)
+    if out:
+        check_out_path(out)
     source = resolve_checkpoint(drafter_path)
     try:
         drafter = Drafter.load(source)
     except (ValueError, KeyError, OSError) as exc:
         raise BadInput(f"drafter '{source}' could not be loaded: {exc}") from None
+    check_drafter_fits(drafter, text_config_of(target_config(config.target.path, config.target.random_init)), source)
     layer_ids = resolved_layer_ids(config, num_layers_of(config.target.path, config.target.random_init))
     if list(drafter.arch.target_layer_ids) != layer_ids:
         raise BadInput(f"drafter '{source}' taps target layers {drafter.arch.target_layer_ids} but the config's "

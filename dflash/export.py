@@ -49,6 +49,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
     """Export the checkpoint `checkpoint` names (see resolve_checkpoint: a run's best by default)."""
     src = resolve_checkpoint(checkpoint, which)
     out = Path(out)
+    if out.is_symlink():  # dangling or not: the export is renamed into place, never written through a link
+        raise BadInput(f"export target '{out}' is a symbolic link (to '{os.readlink(out)}'); choose a new directory, "
+                       "or give the link's target itself")
     if out.exists() and not out.is_dir():
         raise BadInput(f"export target '{out}' exists and is not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):

@@ -28,6 +28,18 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def file_mode() -> int:
+    """The mode a new file gets here (0o666 less the umask, e.g. 0o644): for files whose writer picks its own
+    (safetensors creates 0600), so that a checkpoint is readable like the rest of the run."""
+    try:  # Linux >= 4.7; unlike os.umask(), no moment where another thread sees a changed umask
+        with open("/proc/self/status") as fh:
+            umask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def temp_sibling(path: Path) -> Path:
     """A hidden temp name next to `path`, unique per process, for write-then-rename."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -44,6 +56,21 @@ def out_of_space(exc: BaseException, directory: str | os.PathLike) -> bool:
         except OSError:
             return False
     return False
+
+
+def raise_if_full(exc: BaseException, path: str | os.PathLike) -> None:
+    """Re-raise a write's out-of-space error (see out_of_space) as DiskFull: one line naming the file, its
+    directory and the free space left there. Other errors are left to the caller."""
+    from dflash.errors import DiskFull
+
+    path = Path(path)
+    if out_of_space(exc, path.parent):
+        try:
+            free = f"{shutil.disk_usage(path.parent).free >> 20} MiB free"
+        except OSError:
+            free = "free space unknown"
+        raise DiskFull(f"disk full: no space left in {path.parent} while writing {path.name} ({free}; the partial "
+                       "file was removed): free space there or write elsewhere") from None
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

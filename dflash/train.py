@@ -25,7 +25,7 @@ from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, de
 from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
-from dflash.errors import BadInput
+from dflash.errors import BadInput, Diverged
 from dflash.float8 import check_float8, convert_linears, float8_linears
 from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
@@ -350,11 +350,21 @@ class Trainer:
         self.step = int(state["step"])
 
     def save_checkpoint(self) -> Path | None:
+        # every rank (DDP: the same weights, the same answer): weights that overflowed are never saved
+        if not all(bool(torch.isfinite(p).all()) for p in self.drafter.parameters()):
+            raise self._diverged(f"the drafter's weights are not finite after step {self.step}")
         if not self.is_reporter:
             return None
         path = self.ckpt.save_state(self.step)
         self.observer.event(f"checkpoint: {path}")
         return path
+
+    def _diverged(self, what: str) -> Diverged:
+        """Training diverged (docs/troubleshooting.md): no checkpoint is written with these weights."""
+        saved = self.ckpt.list()
+        return Diverged(f"training diverged: {what}; lower optim.lr (it is {self.config.optim.lr:g}) or check the "
+                        f"data; no checkpoint was written with these weights (the last one: "
+                        f"{saved[-1] if saved else 'none'})")
 
     def _resume_candidate(self) -> Path | None:
         """The newest intact checkpoint to resume from (None: start at step 0).
@@ -611,7 +621,7 @@ class Trainer:
             window.add(res, self.step_flops, self.input_seconds)
             self.input_seconds = 0.0
             if not math.isfinite(res.loss):
-                raise RuntimeError(f"loss is {res.loss} at step {self.step}; lower optim.lr or check the data")
+                raise self._diverged(f"the loss is {res.loss} at step {self.step}")
             if self.step % c.logging.interval == 0 or self.step == self.total_steps:
                 last = self._report(epoch, window)
                 window = MetricsWindow()

@@ -22,6 +22,7 @@ from torch import nn
 
 from dflash.config import check_layout
 from dflash.errors import BadInput, ConfigError
+from dflash.fileio import file_mode
 from dflash.logs import get_logger
 from dflash.models.attention import AttentionBackend, LayerMask
 from dflash.models.target import check_rope, rope_of
@@ -319,6 +320,7 @@ class Drafter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(directory / "model.safetensors", file_mode())  # safetensors writes 0600
         cfg = self.arch.to_hf_config()
         cfg["torch_dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

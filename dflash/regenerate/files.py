@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash.data.chat import iter_chat_rows
 from dflash.errors import BadInput, DataError
-from dflash.fileio import fsync_path, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
+from dflash.fileio import fsync_path, raise_if_full, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
 from dflash.regenerate.core import conversation_problem
 
 FORMAT = 1
@@ -46,9 +46,10 @@ def write_atomic(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        raise_if_full(exc, path)
+        raise
     fsync_path(path.parent)
 
 
@@ -115,9 +116,10 @@ class Parts:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.output)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            raise_if_full(exc, self.output)
+            raise
         fsync_path(self.output.parent)
         return h.hexdigest()
 

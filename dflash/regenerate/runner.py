@@ -105,8 +105,26 @@ def check_args(args: argparse.Namespace) -> None:
         raise BadInput("--limit must be >= 1")
     if Path(args.output).resolve() == Path(args.input).resolve():
         raise BadInput("OUTPUT must differ from INPUT")
+    _check_output_path(Path(args.output))
+    if args.target_path is not None and not Path(args.target_path).is_dir():
+        missing = " (it does not exist)" if not Path(args.target_path).exists() else ""
+        raise BadInput(f"--target-path '{args.target_path}' is not a directory{missing}; point it at a local Hugging "
+                       "Face model directory (dflash never downloads weights)")
     if args.server and args.batching != "static":
         raise BadInput("--batching applies to the transformers backend, not to --server")
+
+
+def _check_output_path(output: Path) -> None:
+    """OUTPUT (and OUTPUT.parts/, OUTPUT.manifest.json) can be created: it is no directory and no existing
+    ancestor of it is a file. Checked before any model loads."""
+    if output.is_dir():
+        raise BadInput(f"OUTPUT '{output}' is a directory; name the JSONL file to write")
+    for parent in output.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise BadInput(f"OUTPUT '{output}' cannot be created: '{parent}' is a file, not a directory; "
+                               "choose another OUTPUT")
+            return
 
 
 def rank_env() -> tuple[int, int]:
