@@ -29,6 +29,13 @@ options:
     description:
       - Path of the nvidia-smi binary. Looked up in C(PATH) and the usual system directories when omitted.
     type: path
+  health:
+    description:
+      - Also read each GPU's health from C(nvidia-smi -q) (uncorrectable ECC errors since the driver loaded, a failed
+        or pending row remap, a pending page retirement, a GPU that is lost) and the kernel's fatal Xid records
+        (C(dmesg), where this host may read it), into C(dflash_gpu_faults) and C(dflash_gpu_lost).
+    type: bool
+    default: false
 attributes:
   check_mode:
     support: full
@@ -94,6 +101,13 @@ ansible_facts:
     dflash_gpu_error:
       description: Why nvidia-smi did not answer (only with O(required=false)), else null.
       type: str
+    dflash_gpu_faults:
+      description: With O(health), GPU index -> what makes it unfit (each with its fix); empty when all are fit.
+      type: dict
+    dflash_gpu_lost:
+      description: With O(health), the GPUs nvidia-smi could not reach (bus id and why).
+      type: list
+      elements: str
 gpu_table:
   description: The GPUs as a human-readable table.
   returned: when GPUs were read
@@ -101,7 +115,7 @@ gpu_table:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, query_gpus
+from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, gpu_faults, query_gpus
 from ansible.module_utils.dflash_host import ModuleHost
 
 
@@ -110,6 +124,7 @@ def main():
         argument_spec={
             "required": {"type": "bool", "default": True},
             "nvidia_smi": {"type": "path"},
+            "health": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )
@@ -120,6 +135,8 @@ def main():
         "dflash_gpu_available": False,
         "dflash_gpu_driver_version": None,
         "dflash_gpu_error": None,
+        "dflash_gpu_faults": {},
+        "dflash_gpu_lost": [],
     }
     try:
         gpus, processes = query_gpus(host, nvidia_smi=module.params["nvidia_smi"])
@@ -128,6 +145,9 @@ def main():
             module.fail_json(msg=str(exc), error_kind=exc.kind)
         facts["dflash_gpu_error"] = str(exc)
         module.exit_json(changed=False, ansible_facts=facts, error_kind=exc.kind)
+    if module.params["health"]:
+        faults, lost = gpu_faults(host, gpus, nvidia_smi=module.params["nvidia_smi"])
+        facts.update(dflash_gpu_faults={str(i): found for i, found in faults.items()}, dflash_gpu_lost=lost)
     facts.update(
         dflash_gpus=gpus,
         dflash_gpu_processes=processes,

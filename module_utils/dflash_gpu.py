@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import re
+
 GPU_FIELDS = (
     "index",
     "uuid",
@@ -203,3 +205,111 @@ def format_gpu_table(gpus, processes=()):
             f"{(gpu['mig_mode'] or 'n/a'):<9} {proc_text or '-'}"
         )
     return "\n".join(lines)
+
+
+# --- GPU health: what makes a GPU unfit to start on (nvidia-smi -q, the kernel's Xid records) -----------------
+
+# Xid events after which a GPU must be reset, the node rebooted or the GPU replaced (NVIDIA's Xid catalog):
+# 48 double-bit ECC, 64 row-remap failure, 74 NVLink error, 79 fallen off the bus, 95 uncontained ECC,
+# 119/120 GSP errors, 140 unrecovered ECC.
+FATAL_XIDS = {48: "double-bit ECC error", 64: "row remapping failed", 74: "NVLink error", 79: "fallen off the bus",
+              95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error", 140: "unrecovered ECC error"}  # fmt: skip
+
+
+def parse_query(text):
+    """``nvidia-smi -q`` as ``{section header: {"a/b/key": value}}`` (``GPU 00000000:00:06.0`` sections), and the
+    bus ids it could not reach (``Unable to determine the device handle for GPU ...: GPU is lost``)."""
+    sections, lost = {}, {}
+    current, stack = None, []
+    for raw in text.splitlines():
+        match = re.match(r"^Unable to determine the device handle for GPU\s*([0-9A-Fa-f:.]+):\s*(.*)$", raw.strip())
+        if match:
+            lost[match.group(1).upper()] = match.group(2).strip()
+            continue
+        if re.match(r"^GPU [0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+$", raw):
+            current, stack = sections.setdefault(raw.split()[1].upper(), {}), []
+            continue
+        if current is None or not raw.strip():
+            continue
+        indent = len(raw) - len(raw.lstrip())
+        key, sep, value = raw.strip().partition(":")
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "/".join([k for _, k in stack] + [key.strip()])
+        if sep and value.strip():
+            current[path] = value.strip()
+        else:
+            stack.append((indent, key.strip()))
+    return sections, lost
+
+
+def _count(value):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0  # N/A
+
+
+def health_faults(section):
+    """The faults of one GPU's ``nvidia-smi -q`` section, each a short sentence with what to do."""
+    faults = []
+    uncorrectable = {k.split("/")[-1]: _count(v) for k, v in section.items()
+                     if k.startswith("ECC Errors/Volatile/") and "Uncorrectable" in k}  # fmt: skip
+    bad = {k: n for k, n in uncorrectable.items() if n > 0}
+    if bad:
+        faults.append("uncorrectable ECC errors since the driver loaded ("
+                      + ", ".join(f"{k} {n}" for k, n in sorted(bad.items())) + "): reset the GPU before using it")
+    if section.get("Remapped Rows/Remapping Failure Occurred", "").lower() == "yes":
+        faults.append("row remapping failed: the GPU's memory cannot be repaired (replace the GPU)")
+    if section.get("Remapped Rows/Pending", "").lower() == "yes":
+        faults.append("a row remap is pending: reset the GPU (or reboot the node) to apply it")
+    if section.get("Retired Pages/Pending Page Blacklist", "").lower() == "yes":
+        faults.append("a page retirement is pending: reset the GPU (or reboot the node) to apply it")
+    return faults
+
+
+def parse_xids(text):
+    """Fatal Xid records of a kernel log (``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., ...``): ``{bus: [line]}``
+    with the bus as ``0000:3B:00``."""
+    found = {}
+    for line in text.splitlines():
+        match = re.search(r"NVRM: Xid \(PCI:([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+)(?:\.\d)?\): (\d+)", line)
+        if match and int(match.group(2)) in FATAL_XIDS:
+            xid = int(match.group(2))
+            found.setdefault(match.group(1).upper(), []).append(f"Xid {xid} ({FATAL_XIDS[xid]}) in the kernel log since boot")
+    return found
+
+
+def _bus_key(bus_id):
+    """``00000000:00:06.0`` / ``0000:00:06`` -> ``0000:00:06`` (domain of 4 digits, no function)."""
+    domain, _, rest = bus_id.upper().partition(":")
+    return f"{domain[-4:]}:{rest.split('.')[0]}"
+
+
+def gpu_faults(host, gpus, nvidia_smi=None, kernel_log=None):
+    """``({index: [faults]}, [faults of GPUs that nvidia-smi lost])`` for the ``gpus`` of ``query_gpus``.
+
+    ``kernel_log`` is the kernel's log text (a node's ``dmesg``); None reads ``dmesg`` where this host may
+    (a container usually may not: then Xids are not looked at).
+    """
+    binary = nvidia_smi or find_nvidia_smi(host)
+    if not binary:
+        return {}, []
+    rc, out, err = host.run([binary, "-q"])
+    sections, lost = parse_query(f"{out}\n{err}")
+    if kernel_log is None:
+        rc_log, kernel_log, _ = host.run(["dmesg"])
+        kernel_log = kernel_log if rc_log == 0 else ""
+    xids = parse_xids(kernel_log or "")
+    by_uuid = {section.get("GPU UUID"): (bus, section) for bus, section in sections.items()}
+    faults = {}
+    for gpu in gpus:
+        bus, section = by_uuid.get(gpu.get("uuid"), (None, None))
+        found = health_faults(section) if section else []
+        if bus:
+            found += xids.get(_bus_key(bus), [])
+        if found:
+            faults[gpu["index"]] = found
+    lost_faults = [f"GPU {bus} is lost ({why}): reboot the node; until then the GPU indices shift"
+                   for bus, why in sorted(lost.items())]  # fmt: skip
+    return faults, lost_faults

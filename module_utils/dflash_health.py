@@ -38,7 +38,7 @@ import json
 import os
 import time
 
-from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, query_gpus
+from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, gpu_faults, query_gpus
 from ansible.module_utils.dflash_host import read_text, read_text_checked, tail_lines_checked
 from ansible.module_utils.dflash_stacks import describe as describe_stacks
 from ansible.module_utils.dflash_stacks import hang_evidence, stacks_report
@@ -151,8 +151,10 @@ def observe(host, params, backend_status, wall=None):
     obs["checkpoint"], obs["checkpoint_step"] = read_checkpoint(os.path.dirname(params["heartbeat_path"]))
     obs["gpus"], obs["gpu_processes"], obs["gpu_error"], obs["gpu_error_kind"] = [], [], None, None
     if params.get("gpu_ids"):
+        obs["gpu_faults"], obs["gpu_lost"] = {}, []
         try:
             obs["gpus"], obs["gpu_processes"] = query_gpus(host)
+            obs["gpu_faults"], obs["gpu_lost"] = gpu_faults(host, obs["gpus"])
         except GpuQueryError as exc:
             obs["gpu_error"], obs["gpu_error_kind"] = str(exc), exc.kind
         # the listed pids that exist in this (the container's) PID namespace: a driver that reports host pids
@@ -318,6 +320,10 @@ class HealthTracker:
             final = obs.get("gpu_error_kind") in ("missing", "driver_mismatch", "no_driver")
             return [("gpu", obs["gpu_error"], final)]
         failures = []
+        faults = obs.get("gpu_faults") or {}
+        unfit = [f"GPU {i}: {'; '.join(faults[i])}" for i in gpu_ids if faults.get(i)] + list(obs.get("gpu_lost") or [])
+        if unfit:
+            failures.append(("gpu", "unfit GPU(s), the job cannot run on them: " + ". ".join(unfit), True))
         present = {g["index"] for g in obs["gpus"]}
         absent = [i for i in gpu_ids if i not in present]
         if absent:
