@@ -88,8 +88,11 @@ def test_fresh_heartbeat_that_does_not_advance_is_not_progress(tmp_path, fake_ho
     """The recorded GPU deploy: a heartbeat at step 1 with the same time through the whole check is a hang."""
     (tmp_path / "job.log").write_text("step 1\n")
     write_heartbeat(tmp_path / "heartbeat.json", 1)
-    result = check_health(fake_host(), params(tmp_path, progress_window=1, timeout=4), lambda: dict(ACTIVE))
-    assert 1 <= result["elapsed_s"] < 4  # final once it stayed a whole window, before the timeout
+    # the window is on the fake clock; 30 s leaves room for a loaded machine's real delay before the first look
+    # (the heartbeat's age is real time: at load 14 it once passed a 1 s window before the check began)
+    result = check_health(fake_host(), params(tmp_path, progress_window=30, timeout=120, poll_interval=1),
+                          lambda: dict(ACTIVE))  # fmt: skip
+    assert 30 <= result["elapsed_s"] < 120  # final once it stayed a whole window, before the timeout
     assert not result["healthy"] and result["state"] == "hung" and not result["ok"]
     assert "progress" in result["failed_invariants"]
     reasons = {f["invariant"]: f["reason"] for f in result["failures"]}
@@ -161,12 +164,13 @@ def test_heartbeat_of_a_rank_below_the_main_pid_is_this_launchs(tmp_path):
 
 def test_missing_log_and_heartbeat(tmp_path, fake_host):
     launched = {**ACTIVE, "started_at": time.time()}
-    result = check_health(fake_host(), params(tmp_path, progress_window=1, timeout=3), lambda: dict(launched))
+    result = check_health(fake_host(), params(tmp_path, progress_window=30, timeout=120, poll_interval=1),
+                          lambda: dict(launched))  # fmt: skip
     assert set(result["failed_invariants"]) == {"log", "progress"}
     assert f"log file {tmp_path / 'job.log'} does not exist" in result["diagnosis"]
     assert f"no heartbeat: heartbeat file {tmp_path / 'heartbeat.json'} does not exist" in result["diagnosis"]
     assert f"log {tmp_path / 'job.log'}: missing" in result["diagnosis"]
-    assert 1 <= result["elapsed_s"] < 3  # failing for a whole window is final, before the timeout (fake clock)
+    assert 30 <= result["elapsed_s"] < 120  # failing for a whole window is final, before the timeout (fake clock)
 
 
 def test_dead_unit_shows_the_trainers_error(tmp_path, fake_host):
