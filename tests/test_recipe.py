@@ -52,7 +52,7 @@ def _recipe(tmp_path: Path, target: dict | None, steps: int, train_samples: int,
     run["data"].update(train_path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "eval.jsonl"))
     run["optim"].update(max_steps=steps, lr=3e-3)
     run["checkpoint"]["interval"] = 10_000
-    run["logging"]["interval"] = 50
+    run["logging"].update(interval=50, eval_interval=0)  # the eval at the end only (the config's are the demo's)
     run["eval"] = {"speculative_prompts": 16, "max_new_tokens": max_new_tokens}
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump(run))

@@ -95,8 +95,8 @@ def fresh(root: Path) -> dict[str, Any]:
 def record_gpu(root: Path) -> None:
     """The same tiny run on GPU 0: the health check and status read real nvidia-smi rows."""
     gpu = {**fresh(root), "dflash_job_target_gpu_ids": [0], "dflash_job_health_gpu_min_memory_mib": 256,
-           "dflash_job_config": {"logging": {"interval": 1}, "checkpoint": {"interval": 20},
-                                 "runtime": {"device": "cuda"}}}
+           "dflash_job_config": {"logging": {"interval": 1, "eval_interval": 0}, "optim": {"max_steps": 100000},
+                                 "checkpoint": {"interval": 20}, "runtime": {"device": "cuda"}}}
     one = "dflash-fixture"
     record("deploy_gpu", "deploy", gpu, limit=one)
     record("status_gpu", "status", gpu, limit=one)

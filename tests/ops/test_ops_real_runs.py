@@ -62,8 +62,10 @@ def test_no_matching_container_is_bad_input_and_artifacts_rotate(cache, capsys):
 def test_deploy_status_logs_stop_on_this_machine(cache, job_vars):
     one = "dflash-fixture"
     # The inventory's job with 200 synthetic conversations instead of 2000: the trainer regenerates their answers
-    # before its first step, and nothing here needs more data.
-    job_vars = {**job_vars, "dflash_job_config": {"logging": {"interval": 1}, "checkpoint": {"interval": 20},
+    # before its first step, and nothing here needs more data. Its length is the inventory's (the config's 600
+    # steps and periodic evals are the demo's).
+    job_vars = {**job_vars, "dflash_job_config": {"logging": {"interval": 1, "eval_interval": 0},
+                                                  "optim": {"max_steps": 100000}, "checkpoint": {"interval": 20},
                                                   "data": {"synthetic": {"num_samples": 200}}}}
     try:
         deployed = ops.deploy(INVENTORY, limit=one, progress=False, extravars=job_vars)
