@@ -13,9 +13,10 @@ def pick_device(requested: str, setting: str = "runtime.device") -> torch.device
     """cpu, or this rank's GPU (LOCAL_RANK); `setting` names the option in the error."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from dflash.driver import driver_cuda_version, mismatch
+            from dflash import driver
 
-            problem = mismatch(driver_cuda_version(), torch.version.cuda, f"torch {torch.__version__}")
+            problem = (driver.userspace_mismatch(driver.kernel_module_version(), driver.userspace_version())
+                       or driver.mismatch(driver.driver_cuda_version(), torch.version.cuda, f"torch {torch.__version__}"))
             if problem:
                 raise BadInput(f"{setting} is 'cuda' but {problem}")
             raise BadInput(f"{setting} is 'cuda' but no CUDA GPU is visible; check CUDA_VISIBLE_DEVICES "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import re
 import sys
 
 # The oldest Linux driver of each CUDA major (NVIDIA's CUDA toolkit release notes, "CUDA Toolkit and Minimum
@@ -54,6 +56,42 @@ def mismatch(driver_cuda: str | None, torch_cuda: str | None, torch_version: str
            if fits else "install a torch built for the driver's CUDA")
     return (f"the NVIDIA driver supports CUDA {driver_cuda}, but {torch_version} is built for CUDA {torch_cuda} and "
             f"needs driver {MIN_DRIVER.get(built[0], 'newer')} or newer: {fix}, or upgrade the node's driver")
+
+
+def kernel_module_version(path: str = "/proc/driver/nvidia/version") -> str | None:
+    """The node's NVIDIA kernel module version (``580.159.04``), as /proc shows it inside a container too."""
+    try:
+        with open(path) as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else None
+
+
+def userspace_version(library: str = "libcuda.so.1", maps: str = "/proc/self/maps") -> str | None:
+    """The version of the driver library this process loads (``libcuda.so.580.159.04`` -> ``580.159.04``)."""
+    try:
+        ctypes.CDLL(library)
+        with open(maps) as handle:
+            paths = {line.split()[-1] for line in handle if "libcuda.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        match = re.search(r"libcuda\.so\.(\d+(?:\.\d+)+)$", os.path.realpath(path))
+        if match:
+            return match.group(1)
+    return None
+
+
+def userspace_mismatch(module: str | None, userspace: str | None) -> str | None:
+    """One line when the container's driver userspace is not the node's kernel module (a driver upgrade on the
+    node since the container was provisioned), else None."""
+    if not module or not userspace or module == userspace:
+        return None
+    return (f"the container's NVIDIA userspace {userspace} does not match the node's kernel module {module} (the "
+            "node's driver changed): run ansible-playbook playbooks/provision.yml, whose container role installs "
+            "the node driver's userspace, then start the job again")
 
 
 if __name__ == "__main__":  # python driver.py TORCH_CUDA [TORCH_VERSION]

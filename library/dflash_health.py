@@ -30,8 +30,8 @@ description:
     O(progress_window) as before.
   - A heartbeat with status C(finished) and a unit that exited 0 count as healthy (RV(finished)).
   - RV(state) names what the job is doing - C(training), C(finished), C(starting), C(hung), C(crashed),
-    C(failed-to-start), C(stopped) or C(lost); RV(ok) is false for C(hung), C(crashed), C(failed-to-start) and
-    C(lost).
+    C(failed-to-start), C(stopped), C(lost) or C(driver-mismatch); RV(ok) is false for C(hung), C(crashed),
+    C(failed-to-start), C(lost) and C(driver-mismatch).
   - A dead unit or a missing nvidia-smi ends the wait at once; any other failure that lasts O(progress_window) too.
   - "On failure the message is a diagnosis: the failed invariants and why (for example
     C(no progress: heartbeat step stayed at 12 for 60s), C(unit failed: exit status 2)), the unit state and exit
@@ -159,7 +159,9 @@ state:
     The job's state - training, finished, starting (a launch within its progress window), hung (running, no progress
     for a window), crashed (exited non-zero after steps of this launch), failed-to-start (exited non-zero before its
     first step), stopped (exited 0 without finishing, or never started), lost (meant to run, but the container
-    restarted under it and this boot did not launch it again - systemd backend).
+    restarted under it and this boot did not launch it again - systemd backend), driver-mismatch (nvidia-smi in the
+    container reports a driver/library version mismatch - a driver upgrade on the node - and the job is not
+    training; the hint names the provision run that fixes it).
   returned: always
   type: str
 ok:

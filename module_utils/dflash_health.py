@@ -46,11 +46,14 @@ from ansible.module_utils.dflash_unit_procs import pid_alive, proc_stat_fields
 from ansible.module_utils.dflash_unit_records import is_running
 
 INVARIANTS = ("log", "unit", "gpu", "progress", "joined")
-TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST = (
-    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped", "lost")
+TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST, DRIVER_MISMATCH = (
+    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped", "lost", "driver-mismatch")
 # States a script may treat as fine (exit 0 of status): healthy, or not running on purpose.
 OK_STATES = (TRAINING, FINISHED, STARTING, STOPPED)
 RESTART_HINT = "restart it with -e dflash_job_state=restarted (ansible-playbook playbooks/train.yml or deploy.yml)"
+DRIVER_MISMATCH_HINT = ("the container's NVIDIA userspace no longer matches the node's driver (a driver upgrade "
+                        "on the node): run ansible-playbook playbooks/provision.yml (the container role installs the "
+                        "node driver's userspace), then playbooks/train.yml; the unit is not restarted until then")
 LOST_HINT = ("relaunch it with ansible-playbook playbooks/train.yml (or deploy.yml); why the boot relaunch failed: "
              "journalctl -u dflash-boot-{name}.service in the container")
 # A heartbeat's time may precede the unit's start by clock granularity only.
@@ -434,6 +437,8 @@ class HealthTracker:
         hb = obs.get("heartbeat") if obs.get("heartbeat_current") else None
         if finished:
             return FINISHED
+        if obs.get("gpu_error_kind") == "driver_mismatch" and not (is_running(unit) and not failures):
+            return DRIVER_MISMATCH
         if is_running(unit):
             if not failures:
                 return TRAINING
@@ -470,6 +475,8 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
                      ["stacks: no dump from this launch (a trainer with dflash/stacks.py dumps on SIGUSR1)"])
     if state == LOST:
         lines.append("the job is lost: " + LOST_HINT.format(name=name))
+    if state == DRIVER_MISMATCH:
+        lines.append("driver mismatch: " + DRIVER_MISMATCH_HINT)
     lines.append(
         f"unit: backend={unit.get('backend', '?')} active_state={unit.get('active_state')} sub_state={unit.get('sub_state')} "
         f"main_pid={unit.get('main_pid') or '-'} exit_status={'-' if unit.get('exit_status') is None else unit['exit_status']}"
@@ -552,7 +559,8 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         "failed_invariants": [f["invariant"] for f in failures],
         "failures": [{"invariant": f["invariant"], "reason": f["reason"]} for f in failures],
         "diagnosis": diagnosis,
-        "hint": RESTART_HINT if state == HUNG else LOST_HINT.format(name=params["name"]) if state == LOST else None,
+        "hint": (RESTART_HINT if state == HUNG else LOST_HINT.format(name=params["name"]) if state == LOST
+                 else DRIVER_MISMATCH_HINT if state == DRIVER_MISMATCH else None),
         "unit": obs["unit"],
         "unit_pids": obs.get("unit_pids", []),
         "step": hb.get("step"),

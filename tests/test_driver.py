@@ -46,3 +46,25 @@ def test_no_driver_library_reads_as_none_and_the_script_prints_json():
     report = json.loads(out)
     assert report["torch_cuda"] == "13.0" and set(report) == {"driver_cuda", "torch_cuda", "mismatch"}
     assert report["mismatch"] == driver.mismatch(report["driver_cuda"], "13.0", "torch 2.13.0")
+
+
+# /proc/driver/nvidia/version of the open kernel module (the lent H200's driver) and of the proprietary one.
+OPEN_MODULE = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  "
+               "(dvs-builder@U22-I3-AF03-09-1)  Thu Sep 18 20:53:34 UTC 2025\nGCC version:  gcc version 12.3.0\n")
+PROPRIETARY = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 01:44:30 UTC 2024\n"
+
+
+def test_a_driver_upgrade_on_the_node_is_named_and_is_bad_input(tmp_path, monkeypatch):
+    """After a driver upgrade on the node the container's userspace is older than the kernel module: the trainer
+    exits 2 (the unit does not restart it in a loop) naming both versions and the provision run that fixes it."""
+    for text, version in ((OPEN_MODULE, "580.159.04"), (PROPRIETARY, "550.54.14")):
+        (tmp_path / "version").write_text(text)
+        assert driver.kernel_module_version(str(tmp_path / "version")) == version
+    assert driver.kernel_module_version(str(tmp_path / "absent")) is None
+    assert driver.userspace_mismatch("580.159.04", "580.159.04") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(driver, "kernel_module_version", lambda: "580.159.04")
+    monkeypatch.setattr(driver, "userspace_version", lambda: "570.172.08")
+    with pytest.raises(BadInput, match=r"userspace 570.172.08 does not match the node's kernel module 580.159.04 .*"
+                                       r"playbooks/provision.yml"):
+        devices.pick_device("cuda")

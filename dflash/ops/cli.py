@@ -21,6 +21,7 @@ from dflash.errors import BadInput
 from dflash.ops import api
 from dflash.ops.results import (
     CRASHED,
+    DRIVER_MISMATCH,
     FAILED,
     FAILED_TO_START,
     FINISHED,
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "status":
             s.add_argument("--require-training", action="store_true",
                            help="exit 1 unless every job is training (or finished), also when one is starting or "
-                                "stopped; without it, status exits 1 only for a hung, crashed, failed-to-start or lost job")
+                                "stopped; without it, status exits 1 only for a hung, crashed, failed-to-start, lost or driver-mismatch job")
         if name == "logs":
             s.add_argument("-n", "--lines", type=int, default=40, help="lines per job (default 40)")
             s.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
@@ -112,7 +113,7 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 
 _STATE_STYLE = {TRAINING: "green", FINISHED: "green", STARTING: "yellow", UNHEALTHY: "yellow", HUNG: "red", CRASHED: "red",
-                FAILED_TO_START: "red", FAILED: "red", UNREACHABLE: "red", LOST: "red"}
+                FAILED_TO_START: "red", FAILED: "red", UNREACHABLE: "red", LOST: "red", DRIVER_MISMATCH: "red"}
 
 
 def render(result: OpsResult, console: Console, show_logs: bool) -> None:

@@ -23,10 +23,10 @@ MODULE_LOGS = "dflash_logs"
 
 # Container states. The first seven are dflash_health's (`state`); the others are derived when no
 # health check ran (a deploy that failed earlier, stop.yml) or the host was not reached.
-TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST = (
-    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped", "lost")
+TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST, DRIVER_MISMATCH = (
+    "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped", "lost", "driver-mismatch")
 UNHEALTHY, RUNNING, FAILED, UNREACHABLE, UNKNOWN = "unhealthy", "running", "failed", "unreachable", "unknown"
-HEALTH_STATES = (TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST)
+HEALTH_STATES = (TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST, DRIVER_MISMATCH)
 # States a status exits 0 for: healthy, or not running on purpose.
 OK_STATES = (TRAINING, FINISHED, STARTING, STOPPED)
 # A failure of these modules means the input (inventory, -e) is wrong, not the hosts.
@@ -116,7 +116,7 @@ class ContainerStatus:
 
 
 # The worst state first: a job across nodes is as bad as its worst node.
-_JOB_STATE_ORDER = (UNREACHABLE, LOST, CRASHED, HUNG, FAILED_TO_START, FAILED, UNHEALTHY, UNKNOWN, STARTING, RUNNING, STOPPED,
+_JOB_STATE_ORDER = (UNREACHABLE, DRIVER_MISMATCH, LOST, CRASHED, HUNG, FAILED_TO_START, FAILED, UNHEALTHY, UNKNOWN, STARTING, RUNNING, STOPPED,
                     FINISHED, TRAINING)
 
 
@@ -245,7 +245,7 @@ def _describe(c: ContainerStatus) -> str:
         bits.append(f"real acceptance {c.acceptance_length:.2f}")
     if c.checkpoint and c.state not in (TRAINING,):
         bits.append(f"checkpoint {c.checkpoint}")
-    if c.state in (STOPPED, FAILED, CRASHED, FAILED_TO_START, LOST) and c.exit_status is not None:
+    if c.state in (STOPPED, FAILED, CRASHED, FAILED_TO_START, LOST, DRIVER_MISMATCH) and c.exit_status is not None:
         bits.append(f"exit status {c.exit_status}")
     if c.restarts or c.crash_loop:
         bits.append(f"restarted {c.restarts}x (watchdog {c.watchdog_kills}x), last failure {c.last_exit_reason or '-'}"

@@ -71,6 +71,12 @@ class Host:
     def which(self, name, extra_dirs=()):
         return "/usr/bin/nvidia-smi"
 
+    def now(self):
+        return 0.0
+
+    def sleep(self, seconds):
+        raise AssertionError("a one-look check does not sleep")
+
 
 def test_gpu_faults_maps_sections_to_indices_and_reads_the_kernel_log_where_it_may():
     gpus = [{"index": 0, "uuid": UUID}]
@@ -123,3 +129,15 @@ esac
     msg = (tmp_path / "msg.txt").read_text()
     assert msg.startswith("The launch on localhost is refused: GPU 0: uncorrectable ECC errors"), msg
     assert "a row remap is pending" in msg and "Leave an unfit GPU out of dflash_job_target_gpu_ids" in msg
+
+
+def test_a_driver_upgrade_on_the_node_reads_driver_mismatch_with_the_fix(tmp_path):
+    """The trainer exited 2 at start (its userspace is older than the node's new kernel module) and nvidia-smi in
+    the container says so: status names the state and the provision run, not a crash to restart."""
+    (tmp_path / "job.log").write_text("dflash: error: runtime.device is 'cuda' but the container's NVIDIA userspace ...\n")
+    host = Host(Q)
+    host.answers["--query-gpu"] = (18, "Failed to initialize NVML: Driver/library version mismatch\nNVML library version: 580.159\n", "")
+    dead = {**ACTIVE, "active_state": "failed", "sub_state": "failed", "main_pid": 0, "exit_status": 2}
+    result = check_health(host, params(tmp_path, gpu_ids=[0], timeout=0), lambda: dict(dead))
+    assert result["state"] == "driver-mismatch" and not result["ok"], result["diagnosis"]
+    assert "playbooks/provision.yml" in result["hint"] and "driver mismatch: " in result["diagnosis"]
