@@ -152,6 +152,9 @@ def stop_handlers():
     yield stop
     for s, handler in saved.items():
         signal.signal(s, handler)
+    # the request this test made must not stay latched: when an earlier test of this process (a CLI run) left
+    # the handlers installed, a later trainer's install() would keep it and stop at step 0
+    stop._STOP.signum = None
 
 
 def _count_eval_features(trainer, stop_after=None):
