@@ -16,6 +16,7 @@ def restore_handlers():
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
+    stop._STOP.signum = None  # no request of these tests stays latched for a later trainer of this process
 
 
 def test_a_signal_during_start_up_is_kept_by_the_trainers_handler():
