@@ -17,6 +17,7 @@ import torch
 
 from dflash.checkpoint import CheckpointManager
 from dflash.errors import BadInput
+from dflash.fileio import raise_if_full
 from dflash.models.drafter import Drafter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,8 +80,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise_if_full(exc, out)
         raise
     return out
 

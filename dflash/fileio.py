@@ -50,7 +50,11 @@ def out_of_space(exc: BaseException, directory: str | os.PathLike) -> bool:
     that drops the errno (torch.save: "basic_ios::clear: iostream error") while almost nothing is free there."""
     if isinstance(exc, OSError) and exc.errno in NO_SPACE:
         return True
-    if isinstance(exc, OSError | RuntimeError):
+    # safetensors' SafetensorError (no OSError) carries the OS error in its text: "IoError(Os { code: 28, kind:
+    # StorageFull, message: "No space left on device" })"
+    if any(text in str(exc) for text in ("No space left on device", "Disk quota exceeded", "StorageFull")):
+        return True
+    if isinstance(exc, OSError | RuntimeError) or type(exc).__name__ == "SafetensorError":
         try:
             return shutil.disk_usage(directory).free < 1 << 20
         except OSError:

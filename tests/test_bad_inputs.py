@@ -46,10 +46,19 @@ def no_space(*_args, **_kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def safetensors_no_space(*_args, **_kwargs):
+    """What safetensors' Rust writer raises on a full disk: no OSError, the errno only in its text."""
+    import safetensors
+
+    raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                                      '"No space left on device" })')
+
+
 # ------------------------------------------------------------------------------------------- 1. disk full
+@pytest.mark.parametrize("fail", [no_space, safetensors_no_space])
 def test_1_disk_full_during_a_checkpoint_keeps_the_previous_one(write_config, tiny_dict, tmp_path, capsys,
-                                                                 monkeypatch):
-    """Already one line on today's code (CheckpointManager.save): pinned here."""
+                                                                 monkeypatch, fail):
+    """An OSError was one line already (CheckpointManager.save); safetensors' own error was a traceback."""
     import safetensors.torch
 
     real, calls = safetensors.torch.save_file, []
@@ -57,7 +66,7 @@ def test_1_disk_full_during_a_checkpoint_keeps_the_previous_one(write_config, ti
     def second_fails(*args, **kwargs):
         calls.append(args[1])
         if len(calls) >= 2:
-            no_space()
+            fail()
         return real(*args, **kwargs)
 
     monkeypatch.setattr(safetensors.torch, "save_file", second_fails)
@@ -257,6 +266,17 @@ def test_5_a_nan_loss_keeps_the_last_good_checkpoint_latest(write_config, tiny_d
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000002"]
     assert (ckpts / "latest").read_text().strip() == "step-00000002"
+
+
+def test_1_disk_full_during_an_export_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+
+    drafter = tiny_drafter(tmp_path / "drafter")
+    monkeypatch.setattr(safetensors.torch, "save_file", safetensors_no_space)
+    assert main(["export", str(drafter), str(tmp_path / "export")]) == 1
+    line = one_error_line(capsys)
+    assert f"disk full: no space left in {tmp_path} while writing export" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
 # ----------------------------------------------------------------------- 6. export onto a dangling link
