@@ -51,13 +51,27 @@ host-setup: $(STAMP)
 
 # Extra ansible-playbook arguments, e.g. make train TRAIN_ARGS="-e dflash_job_state=restarted"
 TRAIN_ARGS ?=
+# Structured overrides: make train CONFIG=file.yml passes `-e @file.yml` (an extra-vars YAML file of dflash_*
+# variables, e.g. a whole dflash_job_config; docs/operations.md). A missing file stops make before anything runs.
+CONFIG ?=
+ifneq ($(filter train,$(MAKECMDGOALS)),)
+ifneq ($(CONFIG),)
+ifeq ($(wildcard $(CONFIG)),)
+$(error CONFIG=$(CONFIG): no such file (make train CONFIG=FILE.yml takes an extra-vars YAML file))
+endif
+endif
+endif
+# The phase times at the end of `make train`: each role's total (ROLES RECAP, ansible.posix.profile_roles, which
+# also stamps every task with the time the one before took) and the whole run's (PLAYBOOK RECAP, timer).
+TRAIN_CALLBACKS := ANSIBLE_CALLBACKS_ENABLED=ansible.posix.profile_roles,ansible.posix.timer
 
 # `make train` and `make status` end with their tool's own exit status: 0, 1 or 2 (any other status
 # becomes 2, named in the message). GNU make itself exits only 0 or 2 (1 under -q), so when one of
 # them is the only goal it runs its tool while this file is read, then ends with -q (exit 1) or an
 # error (exit 2). `make train` streams the playbook's output (on stderr); `make status` prints the
 # report on stdout when the tool is done.
-TRAIN_CMD = $(ANSIBLE_ENV) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/train.yml $(TRAIN_ARGS)
+TRAIN_CMD = $(ANSIBLE_ENV) $(TRAIN_CALLBACKS) ansible-playbook -i $(LOCAL_INVENTORY) playbooks/train.yml \
+	$(if $(CONFIG),-e @$(CONFIG)) $(TRAIN_ARGS)
 STATUS_CMD = $(ANSIBLE_ENV) $(VENV)/bin/dflash ops status -i $(LOCAL_INVENTORY)
 
 define TRAIN_HINTS

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -34,3 +36,36 @@ def test_make_train_passes_the_exit_status_through(code):
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "PLAY RECAP" in proc.stderr  # streamed while it runs
     assert ("Training runs in the LXC container" in proc.stdout) == (code == 0)
+
+
+def test_make_train_config_passes_the_file_as_extra_vars_and_prints_the_phase_times(tmp_path):
+    config = tmp_path / "override.yml"
+    config.write_text("dflash_job_health_timeout: 300\n")
+    # -n with a second goal: make prints the recipes and runs nothing (train alone runs at parse time)
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "train", "stop", f"CONFIG={config}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train = [line for line in proc.stdout.splitlines() if "playbooks/train.yml" in line]
+    assert len(train) == 1 and f"-e @{config}" in train[0]
+    # the phase times (ROLES RECAP, PLAYBOOK RECAP) for make train only, not for stop (or the tests)
+    assert "ANSIBLE_CALLBACKS_ENABLED=ansible.posix.profile_roles,ansible.posix.timer" in train[0]
+    stop = [line for line in proc.stdout.splitlines() if "playbooks/stop.yml" in line]
+    assert stop and "ANSIBLE_CALLBACKS_ENABLED" not in stop[0]
+
+
+def test_make_train_with_a_missing_config_file_stops_at_once_naming_it(tmp_path):
+    missing = tmp_path / "missing.yml"
+    proc = subprocess.run(["make", "--no-print-directory", "-s", "train", f"CONFIG={missing}",
+                           "TRAIN_CMD=sh -c 'echo THE PLAYBOOK RAN'"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert f"CONFIG={missing}: no such file" in proc.stderr
+    assert "THE PLAYBOOK RAN" not in proc.stdout + proc.stderr and "host-setup" not in proc.stdout + proc.stderr
+
+
+def test_the_phase_time_callbacks_are_installed():
+    """ansible.posix comes with the `ansible` package of the venv: no galaxy download."""
+    for callback in ("ansible.posix.profile_roles", "ansible.posix.timer"):
+        proc = subprocess.run([str(Path(sys.executable).parent / "ansible-doc"), "-t", "callback", callback],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
