@@ -3,7 +3,8 @@
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (greedy at temperature 0, else sampled with
 the request's seed; `chat_template_kwargs`, `max_tokens`, `skip_special_tokens`), `POST /tokenize`
 (vLLM's: `prompt` or `messages`). Knobs for failure tests: `fail_first` (answer the first N chat requests
-with 503), `tokenize=False` (no /tokenize endpoint).
+with 503), `tokenize=False` (no /tokenize endpoint), `reject_fields` (refuse requests carrying these fields
+with 422, as transformers serve refuses vLLM's `skip_special_tokens`).
 
     server = OpenAIServer(model, tokenizer, model_name="tiny").start()
     ... server.base_url  # http://127.0.0.1:PORT/v1
@@ -25,12 +26,16 @@ import torch
 
 class OpenAIServer:
     def __init__(self, model, tokenizer, model_name: str = "tiny", max_model_len: int | None = None,
-                 fail_first: int = 0, tokenize: bool = True, host: str = "127.0.0.1", port: int = 0):
+                 fail_first: int = 0, tokenize: bool = True, host: str = "127.0.0.1", port: int = 0,
+                 reject_fields: tuple[str, ...] = ()):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.model_name = model_name
         cfg = model.config
         self.max_model_len = max_model_len or getattr(cfg, "max_position_embeddings", None)
         self.fail_first, self.tokenize_enabled = fail_first, tokenize
+        # request fields this server refuses as transformers serve does (422 "Unexpected fields in the request")
+        self.reject_fields = reject_fields
+        self.rejected = 0
         self.chat_requests = 0  # including the failed ones
         self.failed = 0
         self._lock = threading.Lock()  # one generate at a time (the model is not thread-safe)
@@ -98,6 +103,11 @@ class OpenAIServer:
             if self.failed < self.fail_first:
                 self.failed += 1
                 return 503, {"error": {"message": "Service Unavailable (test: warming up)", "code": 503}}
+        unexpected = {k for k in body if k in self.reject_fields}
+        if unexpected:
+            with self._count_lock:
+                self.rejected += 1
+            return 422, {"detail": f"Unexpected fields in the request: {unexpected}"}
         if body.get("model") != self.model_name:
             return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}
         kwargs = body.get("chat_template_kwargs") or {}

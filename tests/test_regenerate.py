@@ -461,6 +461,22 @@ def test_server_backend_equals_the_transformers_backend(tmp_path, server, capsys
     assert srv.chat_requests == manifest["counts"]["regenerated_turns"]
 
 
+def test_a_server_that_refuses_vllms_extra_fields_gets_requests_without_them(tmp_path, server, capsys):
+    """transformers serve (5.24) answers 422 "Unexpected fields in the request: {'skip_special_tokens'}": the
+    backend drops the field from then on, and the answers are the same as the local backend's."""
+    convs = conversations()
+    inp = write_rows(tmp_path / "in.jsonl", [{"messages": c} for c in convs])
+    local, served = tmp_path / "local.jsonl", tmp_path / "served.jsonl"
+    assert regen(tmp_path, inp, local, "--shard-size", "4") == 0
+    capsys.readouterr()
+    srv = server(model_name="tiny-qwen3", reject_fields=("skip_special_tokens",), tokenize=False)
+    assert regen(tmp_path, inp, served, "--shard-size", "4", "--server", srv.base_url, "--concurrency", "1") == 0
+    assert served.read_bytes() == local.read_bytes()
+    assert srv.rejected == 1  # refused once, then never sent again
+    said = capsys.readouterr()
+    assert (said.out + said.err).count("the server refuses skip_special_tokens (HTTP 422)") == 1
+
+
 def test_server_retries_503_then_fails_clearly(target, server):
     _, tok = target
     convs = conversations()[:3]

@@ -72,6 +72,9 @@ class OpenAIServerBackend:
         # a server not started): not a blip to retry. After that it is a restart in progress, and retried.
         self.answered = False
         self._stop_strings: list[str] = []
+        # vLLM's and SGLang's extra sampling fields; a server that refuses them (transformers serve answers 422
+        # "Unexpected fields") gets requests without them from its first refusal on
+        self._extras: dict[str, Any] = {"skip_special_tokens": False}
         if tokenizer is not None:
             from dflash.regenerate.hf import stop_token_ids
 
@@ -241,17 +244,26 @@ class OpenAIServerBackend:
 
     def _complete(self, prefix: list[dict[str, str]], params: SamplingParams, seed: int) -> Reply:
         body: dict[str, Any] = {"model": self.model, "messages": prefix, "max_tokens": params.max_new_tokens,
-                                "temperature": params.temperature, "top_p": params.top_p, "seed": seed,
-                                "skip_special_tokens": False}
+                                "temperature": params.temperature, "top_p": params.top_p, "seed": seed}
         if params.thinking == "disable":
             body["chat_template_kwargs"] = {"enable_thinking": False}
         url = f"{self.base_url}/chat/completions"
-        try:
-            out = self.call("POST", url, body)
-        except _HTTPStatus as exc:
-            if exc.status == 400 and any(h in exc.body.lower() for h in CONTEXT_ERROR_HINTS):
-                return Reply(None)  # the server says the prompt does not fit
-            raise ServerError(f"POST {url}: {exc}") from None
+        while True:
+            extras = dict(self._extras)
+            try:
+                out = self.call("POST", url, {**body, **extras})
+                break
+            except _HTTPStatus as exc:
+                if exc.status == 400 and any(h in exc.body.lower() for h in CONTEXT_ERROR_HINTS):
+                    return Reply(None)  # the server says the prompt does not fit
+                refused = [k for k in extras if k in exc.body] if exc.status in (400, 422) else []
+                if not refused:
+                    raise ServerError(f"POST {url}: {exc}") from None
+                if any(k in self._extras for k in refused):
+                    log.warning("the server refuses %s (HTTP %d): requests go without it (the stop token's text is "
+                                "cut from the answers instead)", ", ".join(refused), exc.status)
+                for k in refused:
+                    self._extras.pop(k, None)
         try:
             choice = out["choices"][0]
             message = choice["message"]
