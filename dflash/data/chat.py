@@ -70,6 +70,12 @@ def normalize_messages(row: Any, where: str) -> list[dict[str, str]]:
 def iter_chat_rows(path: str | os.PathLike, missing_hint: str):
     """(line number, "FILE:LINE", normalized messages) of every non-empty row of a chat JSONL file; a missing
     file, non-UTF-8 bytes and malformed JSON are one-line DataErrors naming the file and line."""
+    for lineno, where, row in iter_json_lines(path, missing_hint):
+        yield lineno, where, normalize_messages(row, where)
+
+
+def iter_json_lines(path: str | os.PathLike, missing_hint: str):
+    """(line number, "FILE:LINE", parsed JSON value) of every non-empty line of a JSONL file, errors as above."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist; {missing_hint}")
@@ -88,7 +94,7 @@ def iter_chat_rows(path: str | os.PathLike, missing_hint: str):
             except json.JSONDecodeError as exc:
                 raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove "
                                 "that line") from None
-            yield lineno, where, normalize_messages(row, where)
+            yield lineno, where, row
 
 
 def read_jsonl(path: str | os.PathLike) -> list[list[dict[str, str]]]:

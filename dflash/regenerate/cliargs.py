@@ -8,7 +8,8 @@ from typing import Any
 
 # (flags, argparse keywords); positional arguments first
 OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
-    (("input",), {"help": "chat JSONL: rows with 'messages' (role/content) or ShareGPT 'conversations' (from/value)"}),
+    (("input",), {"help": "chat JSONL (or .json/.parquet, read through `datasets`): rows with 'messages' "
+                          "(role/content) or ShareGPT 'conversations' (from/value)"}),
     (("output",), {"help": "JSONL to write ({'messages': [...]} rows, the trainer's data.train_path format); "
                            "OUTPUT.parts/ holds finished shards, OUTPUT.manifest.json describes the run"}),
     (("--target-config",), {"metavar": "CONFIG.yaml",

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash.data.chat import iter_chat_rows
+from dflash.data.prompts import iter_conversations
 from dflash.errors import BadInput, DataError
 from dflash.fileio import fsync_path, raise_if_full, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
 from dflash.regenerate.core import conversation_problem
@@ -18,11 +18,11 @@ FORMAT = 1
 
 
 def read_conversations(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], list[int]]:
-    """Every row of a chat JSONL (`messages` role/content or ShareGPT `conversations` from/value), checked
-    before anything is generated; errors name the file and line. Returns the conversations and their line
-    numbers."""
+    """Every row of a prompt file (`messages` role/content or ShareGPT `conversations` from/value; JSONL, or
+    JSON/parquet through `datasets`: dflash/data/prompts.py), checked before anything is generated; errors
+    name the file and line (row). Returns the conversations and their line (row) numbers."""
     conversations, lines = [], []
-    for lineno, where, messages in iter_chat_rows(path, "pass an existing chat JSONL file"):
+    for lineno, where, messages in iter_conversations(path, "pass an existing chat JSONL file"):
         problem = conversation_problem(messages)
         if problem:
             raise DataError(f"{where}: {problem}")
