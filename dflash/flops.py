@@ -4,7 +4,8 @@ Drafter, per layer, forward (Nq = blocks * B query tokens, Nc = context tokens):
   q, o projections   2 * Nq * H * (heads * d) each
   k, v projections   2 * (Nc + Nq) * H * (kv_heads * d) each      (KV injection: context + block)
   SwiGLU MLP         3 * 2 * Nq * H * I
-  attention          4 * d * heads * sum over queries of visible keys  (useful work only)
+  attention          4 * d * heads * sum over queries of visible keys  (useful work only; a sliding layer
+                     counts the keys within its window, a causal one the block's earlier keys)
 fc fusion            2 * Nc * (n_tapped * H) * H
 LM head (frozen)     2 * rows * H * V  for the rows that carry a loss
 Training = 3x forward for the layers (weights and inputs need gradients), 2x for fc (weight gradient
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.models.attention import LayerMask
 from dflash.models.drafter import DrafterArch
 
 PEAK_BF16_TFLOPS = {"H200": 790.0, "H100": 790.0, "A100": 312.0}  # measured H200 matmul rate (docs/PERFORMANCE.md)
@@ -46,13 +48,34 @@ def drafter_step_flops(arch: DrafterArch, ctx_tokens: int, anchors: torch.Tensor
     hq, hkv, inter = arch.num_attention_heads * d, arch.num_key_value_heads * d, arch.intermediate_size
     n_blocks = int(anchor_valid.sum())
     nq = n_blocks * bsz
-    visible = float(((anchors.float() + bsz) * anchor_valid.float()).sum()) * bsz
-    attn = 4.0 * d * arch.num_attention_heads * visible
+    attn = sum(4.0 * d * arch.num_attention_heads * visible_keys(arch.layer_mask(i), anchors, anchor_valid, bsz)
+               for i in range(arch.num_hidden_layers))
     per_layer = 2 * nq * h * hq * 2 + 2 * (ctx_tokens + nq) * h * hkv * 2 + 6 * nq * h * inter
-    layers = arch.num_hidden_layers * (per_layer + attn)
+    layers = arch.num_hidden_layers * per_layer + attn
     fc = 2.0 * ctx_tokens * len(arch.target_layer_ids) * h * h
     lm = 2.0 * loss_rows * h * arch.vocab_size
-    return StepFlops(float(layers), fc, lm, arch.num_hidden_layers * attn)
+    return StepFlops(float(layers), fc, lm, float(attn))
+
+
+def visible_keys(layer: LayerMask, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int) -> float:
+    """Keys the valid blocks' queries see in one layer, summed (dflash.models.attention.visible's count): the
+    context before each anchor (within the window for a sliding layer) and the block's own keys (the earlier
+    ones for a causal layer)."""
+    a = anchors.float()[anchor_valid.bool()]  # (n,) anchors of the valid blocks
+    o = torch.arange(block_size, dtype=torch.float32)
+    if layer.window is None:
+        ctx = a[:, None].expand(-1, block_size)
+    else:
+        ctx = torch.minimum(a[:, None], (layer.window - 1 - o)[None, :]).clamp(min=0)
+    kv = o[None, :]
+    own = torch.ones(block_size, block_size, dtype=torch.bool)
+    if layer.window is not None:
+        own &= (o[:, None] - kv) < layer.window
+        if not layer.causal:
+            own &= (kv - o[:, None]) < layer.window
+    if layer.causal:
+        own &= kv <= o[:, None]
+    return float(ctx.sum()) + float(own.sum()) * a.numel()
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
