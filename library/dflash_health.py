@@ -119,6 +119,13 @@ options:
         is signalled.
     type: bool
     default: false
+  watchdog:
+    description:
+      - The unit's watchdog interval (the job role's C(dflash_job_watchdog)), for the diagnosis of a C(hung) job - when
+        the watchdog acts (this many seconds after the trainer's last step ping), or that with V(0) (no watchdog) the
+        job stays hung until restarted. Changes nothing in the check.
+    type: int
+    default: 0
 attributes:
   check_mode:
     support: full
@@ -324,6 +331,7 @@ def main():
             "node_rank": {"type": "int", "default": 0},
             "nodes": {"type": "list", "elements": "str", "default": []},
             "dump_stacks": {"type": "bool", "default": False},
+            "watchdog": {"type": "int", "default": 0},
         },
         supports_check_mode=True,
     )

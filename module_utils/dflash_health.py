@@ -456,8 +456,25 @@ class HealthTracker:
         return CRASHED if trained else FAILED_TO_START
 
 
+def watchdog_line(watchdog, obs):
+    """When the unit's watchdog acts on a hung job: ``watchdog`` seconds after the trainer's last step ping."""
+    watchdog = int(watchdog or 0)
+    if watchdog <= 0:
+        return "watchdog: none (dflash_job_watchdog 0): it stays hung until restarted"
+    hb = obs.get("heartbeat") if obs.get("heartbeat_current") else None
+    if not hb or not hb.get("step") or hb.get("status") == "starting":
+        return (f"watchdog: it acts {watchdog}s after the trainer's last step ping (before the first step: the start-up "
+                f"interval, dflash_job_watchdog_start): SIGABRT, then the unit's restart policy")
+    age = max(obs["wall"] - float(hb.get("time") or 0), 0.0)
+    if age < watchdog:
+        return (f"watchdog: it acts in about {watchdog - age:.0f}s ({watchdog}s after the last step's ping, step "
+                f"{hb.get('step')} {age:.0f}s ago): SIGABRT, then the unit's restart policy")
+    return (f"watchdog: its {watchdog}s after the last step's ping (step {hb.get('step')}) ran out {age - watchdog:.0f}s "
+            f"ago: it acts now (SIGABRT, then the unit's restart policy), unless something else still pings it")
+
+
 def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, finished=False, state=None,
-                     log_unsafe=None, stacks=None):
+                     log_unsafe=None, stacks=None, watchdog=0):
     unit = obs["unit"]
     hb = obs.get("heartbeat") or {}
     current = obs.get("heartbeat_current")
@@ -473,6 +490,7 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
         # hang evidence: every rank's stacks dumped by this launch (module_utils/dflash_stacks.py)
         lines.extend(describe_stacks(stacks, obs["wall"]) if stacks else
                      ["stacks: no dump from this launch (a trainer with dflash/stacks.py dumps on SIGUSR1)"])
+        lines.append(watchdog_line(watchdog, obs))
     if state == LOST:
         lines.append("the job is lost: " + LOST_HINT.format(name=name))
     if state == DRIVER_MISMATCH:
@@ -550,7 +568,8 @@ def check_health(host, params, status_probe, wall_clock=time.time):
     hb = (obs.get("heartbeat") if obs.get("heartbeat_current") else None) or {}
     stacks = hang_evidence(host, obs, params) if state == HUNG or params.get("dump_stacks") else {}
     diagnosis = format_diagnosis(params["name"], healthy, failures, obs, log_tail, elapsed, params["log_path"],
-                                 tracker.finished, state, log_unsafe=log_unsafe, stacks=stacks)  # fmt: skip
+                                 tracker.finished, state, log_unsafe=log_unsafe, stacks=stacks,
+                                 watchdog=params.get("watchdog") or 0)  # fmt: skip
     return {
         "healthy": healthy,
         "finished": tracker.finished,
@@ -559,7 +578,7 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         "failed_invariants": [f["invariant"] for f in failures],
         "failures": [{"invariant": f["invariant"], "reason": f["reason"]} for f in failures],
         "diagnosis": diagnosis,
-        "hint": (RESTART_HINT if state == HUNG else LOST_HINT.format(name=params["name"]) if state == LOST
+        "hint": (f"{RESTART_HINT}; {watchdog_line(params.get('watchdog'), obs)}" if state == HUNG else LOST_HINT.format(name=params["name"]) if state == LOST
                  else DRIVER_MISMATCH_HINT if state == DRIVER_MISMATCH else None),
         "unit": obs["unit"],
         "unit_pids": obs.get("unit_pids", []),

@@ -243,7 +243,7 @@ def _describe(c: ContainerStatus) -> str:
         bits.append(f"tau {c.tau:.2f}")
     if c.acceptance_length is not None:
         bits.append(f"real acceptance {c.acceptance_length:.2f}")
-    if c.checkpoint and c.state not in (TRAINING,):
+    if c.checkpoint:
         bits.append(f"checkpoint {c.checkpoint}")
     if c.state in (STOPPED, FAILED, CRASHED, FAILED_TO_START, LOST, DRIVER_MISMATCH) and c.exit_status is not None:
         bits.append(f"exit status {c.exit_status}")
