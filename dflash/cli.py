@@ -1,4 +1,4 @@
-"""`dflash` command line. Exit codes: 0 done, 1 failure, 2 bad input."""
+"""`dflash` command line. Exit codes: 0 done, 1 failure, 2 bad input, 3-6 the failure classes of dflash/failures.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from dflash.errors import BadInput, DflashError
+from dflash.failures import EXIT_CODES, classify, describe
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -44,8 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--prompts", help="chat JSONL of prompts (default: the run's held-out split)")
     v.add_argument("--num-prompts", type=int, default=32)
     v.add_argument("--max-new-tokens", type=int, default=256)
-    v.add_argument("--thinking", choices=["keep", "strip", "disable"], default="keep",
-                   help="disable: render --prompts with enable_thinking=False (Qwen3-class templates)")
+    v.add_argument("--thinking", choices=["keep", "strip", "disable", "on", "off"], default="keep",
+                   help="on/off: render the prompts with enable_thinking=True/False (Qwen3-class templates; "
+                   "disable = off); keep: the template's default")
+    v.add_argument("--suite", action="append", metavar="NAME=PATH[,NAME=PATH]",
+                   help="benchmark prompt sets (gsm8k, math500, humaneval, mbpp, mtbench, alpaca) from local "
+                   "JSONL/JSON/parquet files in their published format, or hf:DATASET_ID[@CONFIG][:SPLIT]: a "
+                   "per-suite table (docs/evaluation.md); repeatable")
+    v.add_argument("--suite-limit", type=int, default=80, help="with --suite: the first N prompts of each suite")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.add_argument("--out", help="also write the JSON report to this file")
 
@@ -125,6 +132,10 @@ def _cmd_eval(args) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise BadInput("--num-prompts and --max-new-tokens must be >= 1")
+    if args.suite:
+        from dflash.suites import run_suites
+
+        return run_suites(args)
     return run_eval(args.config, args.drafter, args.overrides, prompts_file=args.prompts,
                     num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, as_json=args.json,
                     out=args.out, thinking=args.thinking)
@@ -167,17 +178,20 @@ def main(argv: list[str] | None = None) -> int:
                "synth-data": _cmd_synth, "regenerate": _cmd_regenerate}
     try:
         return handler[args.command](args)
-    except BadInput as exc:
+    except BadInput as exc:  # bad input (2) or, of a dataset, a data error (3)
         print(f"dflash: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_CODES[classify(exc)]
     except DflashError as exc:  # a failure the message explains (e.g. speculative decoding not lossless)
         print(f"dflash: error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_CODES.get(getattr(exc, "failure_class", None), EXIT_FAILURE)
     except KeyboardInterrupt:
         return EXIT_FAILURE
-    except Exception:
+    except Exception as exc:
         traceback.print_exc()
-        return EXIT_FAILURE
+        cls = classify(exc)  # out of memory, a collective timeout, a GPU error: their own exit codes
+        if cls != "unknown":
+            print(f"dflash: error: {describe(cls, exc)}", file=sys.stderr)
+        return EXIT_CODES[cls]
 
 
 if __name__ == "__main__":  # pragma: no cover

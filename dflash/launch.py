@@ -88,17 +88,24 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
 def _run_worker(config: RunConfig) -> int:
     """A torchrun worker. A failing rank reports (as the CLI does) and exits at once: interpreter teardown
     can take seconds, or hang in a process group whose peer is gone, and torchrun only acts on the exit."""
-    from dflash import distributed
-    from dflash.errors import BadInput
+    from dflash import distributed, failures
+    from dflash.errors import DflashError
 
     try:
         result = distributed.run_rank(config)  # @record has written the error file on failure
-    except BadInput as exc:
-        print(f"dflash: error: {exc}", file=sys.stderr, flush=True)
-        _hard_exit(2)
-    except BaseException:  # noqa: BLE001 - any failure of this rank ends the job
-        traceback.print_exc()
-        _hard_exit(1)
+    except BaseException as exc:  # noqa: BLE001 - any failure of this rank ends the job
+        # its class (dflash/failures.py) for the launcher: torchrun's own exit says only that a rank failed
+        cls = failures.classify(exc) if isinstance(exc, Exception) else "unknown"
+        if isinstance(exc, DflashError):
+            message = str(exc)
+        else:
+            traceback.print_exc()
+            message = failures.describe(cls, exc, config)
+        if cls != "unknown" or isinstance(exc, DflashError):
+            print(f"dflash: error: {message}", file=sys.stderr, flush=True)
+        failures.write_rank_failure(config.output_dir, int(os.environ.get("RANK", "0")), cls,
+                                    message.splitlines()[0] if message else cls)
+        _hard_exit(failures.EXIT_CODES[cls])
     if result is not None:
         _print_done(result)
     # Success exits hard too: every file is written and synced by now, and a normal interpreter teardown
@@ -188,6 +195,9 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
                     pass
                 stop["signalled"].add(pid)
 
+    from dflash import failures
+
+    failures.clear_rank_failures(config.output_dir)  # the ranks of this launch record their failures there
     liveness = rank_liveness(config, plan)
     presence = node_presence(config, plan)
     request = signals.install(note)
@@ -239,6 +249,11 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
             print(f"dflash: error: the distributed job failed (torchrun exit {rc}): {lost}", file=sys.stderr,
                   flush=True)
             return 1
+        first = failures.first_rank_failure(config.output_dir)
+        if first is not None:  # the job ends with the class of the rank that failed first
+            print(f"dflash: error: the distributed job failed (torchrun exit {rc}): rank {first.get('rank')} "
+                  f"failed first, {first['failure_class']}: {first.get('error')}", file=sys.stderr, flush=True)
+            return failures.EXIT_CODES[first["failure_class"]]
         print(f"dflash: error: the distributed job failed (torchrun exit {rc}); the failing rank and its "
               "traceback are in torchrun's error summary above", file=sys.stderr, flush=True)
         return 1

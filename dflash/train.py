@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash import stop
+from dflash import failures, stop
 from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
 from dflash.compile import compile_drafter, compile_target_layers, configure_for_run
 from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, default_gamma
@@ -224,7 +224,8 @@ class Trainer:
             observer = getattr(self, "observer", None)
             if observer is not None:
                 reason = str(exc) if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"
-                observer.heartbeat(self.step, 0, "failed", error=reason.splitlines()[0] if reason else type(exc).__name__)
+                observer.heartbeat(self.step, 0, "failed", error=reason.splitlines()[0] if reason else type(exc).__name__,
+                                   failure_class=failures.classify(exc))
             if created and self.is_reporter:
                 with contextlib.suppress(OSError):
                     ckpt_dir.rmdir()  # only when empty
@@ -755,9 +756,16 @@ def run_to_end(trainer: Trainer) -> dict[str, Any]:
         trainer.source.finish()
         return result
     except BaseException as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        # the failure's class (dflash/failures.py) goes into the heartbeat and, as its exit code, to the supervisor
+        cls = failures.classify(exc) if isinstance(exc, Exception) else None
+        classified = cls in failures.RAISED_CLASSES and not isinstance(exc, failures.ClassifiedFailure)
+        reason = failures.describe(cls, exc, trainer.config) if classified else (
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         with contextlib.suppress(OSError):  # a full disk must not hide the error itself
-            trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed", error=reason)
+            trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed", error=reason,
+                                       **({"failure_class": cls} if cls else {}))
+        if classified:
+            raise failures.ClassifiedFailure(cls, reason) from exc
         raise
 
 

@@ -144,6 +144,17 @@ options:
     description: Seconds of the burst window (C(StartLimitIntervalSec)).
     type: int
     default: 600
+  restart_policy:
+    description:
+      - The restart policy per failure class of the trainer's exit (docs/operations.md, "Self-healing"), on top of
+        the defaults C(bad_input=never), C(data_error=never), C(gpu_error=never), C(cuda_oom=once),
+        C(collective_timeout=always), C(unknown=always).
+      - V(never) leaves the unit failed (systemd C(RestartPreventExitStatus)); V(once) restarts it at most once per
+        launch (the daemon backend; systemd restarts it within O(restart_burst)); V(always) restarts it as any failure.
+      - Keys are the classes C(bad_input), C(data_error), C(cuda_oom), C(collective_timeout), C(gpu_error),
+        C(unknown); exit 2 (bad input) is never restarted whatever this says.
+    type: dict
+    default: {}
   watchdog:
     description: Seconds between the trainer's pings once it trains (it sets this with C(WATCHDOG_USEC)); 0 = no watchdog.
     type: int
@@ -270,6 +281,7 @@ import os
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.dflash_failures import DEFAULT_POLICY, PolicyError, restart_policy
 from ansible.module_utils.dflash_gpu import GpuQueryError
 from ansible.module_utils.dflash_host import ModuleHost, read_text_checked
 from ansible.module_utils.dflash_unit import (
@@ -312,6 +324,7 @@ ARGUMENT_SPEC = {
     "restart_delay": {"type": "int", "default": 10},
     "restart_burst": {"type": "int", "default": 3},
     "restart_interval": {"type": "int", "default": 600},
+    "restart_policy": {"type": "dict", "default": {}},
     "watchdog": {"type": "int", "default": 0},
     "watchdog_start": {"type": "int", "default": 0},
     "on_failure": {"type": "list", "elements": "str", "default": []},
@@ -349,6 +362,10 @@ def main():
     for key in ("restart_delay", "restart_burst", "restart_interval", "watchdog", "watchdog_start"):
         if p[key] < (1 if key == "restart_burst" else 0):
             module.fail_json(msg=f"{key}={p[key]} must be {'at least 1' if key == 'restart_burst' else 'zero or more'}")
+    try:
+        policy = restart_policy(p["restart_policy"])
+    except PolicyError as exc:
+        module.fail_json(msg=str(exc))
     launching = p["state"] in ("started", "restarted")
     env_text = config_text = None
     if launching:
@@ -385,7 +402,8 @@ def main():
         "gpu_release_timeout": p["gpu_release_timeout"],
         "gpu_release_threshold_mib": p["gpu_release_threshold_mib"],
         "state_dir": p["state_dir"] or default_state_dir(name),
-        "restart": {"policy": p["restart"], "delay": p["restart_delay"], "burst": p["restart_burst"], "interval": p["restart_interval"]},
+        "restart": {"policy": p["restart"], "delay": p["restart_delay"], "burst": p["restart_burst"], "interval": p["restart_interval"],
+                    "classes": policy},
         "watchdog": {"interval": p["watchdog"], "start_interval": p["watchdog_start"]},
         "on_failure": p["on_failure"],
         "config_hash": config_hash(p["command"], spec_env(p), env_text, config_text, p["working_directory"], p["user"],
@@ -420,7 +438,11 @@ def spec_env(params):
 def supervision(params):
     """Restart, watchdog and hook settings: a change relaunches the unit with them."""
     keys = ("restart", "restart_delay", "restart_burst", "restart_interval", "watchdog", "watchdog_start", "on_failure")
-    return {k: params[k] for k in keys}
+    chosen = {k: params[k] for k in keys}
+    policy = restart_policy(params.get("restart_policy"))
+    if policy != DEFAULT_POLICY:  # the defaults leave the hash of earlier releases: an upgrade alone restarts nothing
+        chosen["restart_policy"] = policy
+    return chosen
 
 
 if __name__ == "__main__":

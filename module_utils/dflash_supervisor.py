@@ -13,7 +13,8 @@ Run by dflash_unit as ``python -I -c <this file's source> STATE_DIR PIPE_FD OPTI
 it imports nothing outside the standard library. OPTIONS_FILE (root's, 0600, in the root-only state
 directory: the hook's arguments never appear in this process's argv) holds JSON: name, state_dir, uid, gid,
 user (null = no change), workdir, token (the job's DFLASH_UNIT_ID marker), restart {policy, delay, burst,
-interval}, watchdog {interval, start_interval}, on_failure (argv or null). The first start's pid goes through
+interval, never (exit codes never restarted), once (exit codes restarted at most once)}, classes (exit code ->
+failure class), watchdog {interval, start_interval}, on_failure (argv or null). The first start's pid goes through
 PIPE_FD.
 
 The watchdog socket is abstract (any local account could name it), so every datagram carries its sender's
@@ -188,7 +189,7 @@ def main(argv):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.bind("\0" + address[1:])
-    starts, restarts = [], 0
+    starts, restarts, ends = [], 0, {}  # ends: how often each exit code ended the job since the launch
     while True:
         pid = spawn(cmd, options, address, pipe_fd)
         starts.append(time.monotonic())
@@ -201,18 +202,28 @@ def main(argv):
             pipe_fd = -1
         status, watchdog_kill = wait_job(pid, sock, watchdog, allowed_uids)
         result, words, code = describe(status, watchdog_kill)
+        failure_class = class_of(code, options)
         atomic_write(os.path.join(state_dir, "exit_status"), f"{code}\n")
         with open(os.path.join(state_dir, "events"), "a") as handle:
             handle.write(f"{int(time.time())} {result} {words}\n")
-        atomic_write(os.path.join(state_dir, "reason.env"), f"DFLASH_REASON={result}: {words}\n")
+        atomic_write(os.path.join(state_dir, "reason.env"),
+                     f"DFLASH_REASON={result}: {words}\nDFLASH_FAILURE_CLASS={failure_class or ''}\n")
         if os.path.exists(os.path.join(state_dir, "stopping")) or restart.get("policy", "no") == "no":
             return
-        if result == "success" or (os.WIFEXITED(status) and code in NO_RESTART_EXIT_STATUS):
+        if result == "success":
             return
+        if os.WIFEXITED(status):
+            # the restart policy per failure class (module_utils/dflash_failures.py): never, or at most once
+            ends[code] = ends.get(code, 0) + 1
+            never = restart.get("never", NO_RESTART_EXIT_STATUS)
+            if code in never or (code in restart.get("once", ()) and ends[code] > 1):
+                if code not in NO_RESTART_EXIT_STATUS:  # a class stopped by the policy: its hook runs
+                    run_hook(options, words, result, failure_class)
+                return
         now = time.monotonic()
         recent = [t for t in starts if now - t < float(restart.get("interval", 600))]
         if len(recent) >= int(restart.get("burst", 3)):
-            run_hook(options, words, result)
+            run_hook(options, words, result, failure_class)
             return
         resume_at = time.monotonic() + float(restart.get("delay", 10))
         while time.monotonic() < resume_at:  # a stop during the delay ends it at once
@@ -222,13 +233,24 @@ def main(argv):
         restarts += 1
 
 
-def run_hook(options, words, result):
-    """Restarts exhausted: the operator's command, with the job's name and the reason in its environment."""
+def class_of(code, options):
+    """The failure class of a shell-style exit status (options' ``classes``: exit code -> class), None for 0."""
+    if code == 0:
+        return None
+    if code >= 128:
+        return "signal"
+    return (options.get("classes") or {}).get(str(code), "unknown")
+
+
+def run_hook(options, words, result, failure_class=None):
+    """Restarts exhausted (or refused by the policy of the failure class): the operator's command, with the job's
+    name, the reason and the failure class in its environment."""
     with open(os.path.join(options["state_dir"], "failed"), "w") as handle:
         handle.write(f"{result}: {words}\n")
     if not options.get("on_failure"):
         return
-    env = dict(os.environ, DFLASH_JOB=options["name"], DFLASH_REASON=f"{result}: {words}")
+    env = dict(os.environ, DFLASH_JOB=options["name"], DFLASH_REASON=f"{result}: {words}",
+               DFLASH_FAILURE_CLASS=failure_class or "")
     pid = os.fork()
     if pid == 0:
         try:

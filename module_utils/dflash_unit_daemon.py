@@ -17,6 +17,7 @@ import sys
 import uuid
 
 from ansible.module_utils import dflash_supervisor
+from ansible.module_utils.dflash_failures import EXIT_CODES, codes_with
 from ansible.module_utils.dflash_host import file_kind, read_text
 from ansible.module_utils.dflash_unit_procs import job_processes, pid_alive, proc_stat
 from ansible.module_utils.dflash_unit_records import (
@@ -146,7 +147,8 @@ class DaemonBackend:
         options = {
             "name": spec["name"], "state_dir": state_dir, "token": token, "workdir": workdir,
             "uid": pw.pw_uid, "gid": pw.pw_gid, "user": pw.pw_name if drop else None,
-            "restart": spec.get("restart") or {"policy": "no"}, "watchdog": spec.get("watchdog") or {},
+            "restart": supervisor_restart(spec.get("restart") or {"policy": "no"}), "watchdog": spec.get("watchdog") or {},
+            "classes": {str(code): cls for cls, code in EXIT_CODES.items()},
             "on_failure": spec.get("on_failure") or None,
         }  # fmt: skip
         # The options (the failure hook's arguments among them) go through a root-only file, never argv:
@@ -204,6 +206,13 @@ class DaemonBackend:
 
     def remove(self, spec):
         pass
+
+
+def supervisor_restart(restart):
+    """The supervisor's restart options: the exit codes never restarted and those restarted at most once, from the
+    restart policy per failure class (module_utils/dflash_failures.py)."""
+    never = sorted(set(dflash_supervisor.NO_RESTART_EXIT_STATUS) | set(codes_with(restart.get("classes"), "never")))
+    return {**restart, "never": never, "once": codes_with(restart.get("classes"), "once")}
 
 
 def check_log_path(path):

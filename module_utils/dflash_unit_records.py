@@ -10,6 +10,7 @@ import os
 import signal
 import stat as stat_module
 
+from ansible.module_utils.dflash_failures import class_of_exit
 from ansible.module_utils.dflash_host import read_text
 from ansible.module_utils.dflash_unit_spec import DEFAULT_STATE_ROOT, UnitError
 
@@ -131,7 +132,7 @@ def read_events(state_dir):
 
 
 def add_restart_facts(status, state_dir):
-    """restarts, watchdog_kills, last_exit_reason and crash_loop (restarts exhausted) of a status dict."""
+    """restarts, watchdog_kills, last_exit_reason, crash_loop (restarts exhausted) and failure_class of a status dict."""
     events = read_events(state_dir)
     if status.get("restarts") is None:
         status["restarts"] = 0
@@ -139,4 +140,11 @@ def add_restart_facts(status, state_dir):
     last = next((e for e in reversed(events) if e["result"] != "success"), None)
     status["last_exit_reason"] = f"{last['result']} ({last['exit']})" if last else None
     status["crash_loop"] = bool(status["active_state"] == "failed" and status.get("restarts"))
+    # the class of the last end when it failed (module_utils/dflash_failures.py; a stop's SIGTERM is a success)
+    latest = events[-1] if events else None
+    status["failure_class"] = None
+    if latest is not None and latest["result"] != "success":
+        status["failure_class"] = class_of_exit(parse_exit_status(latest["exit"]))
+    elif latest is None and not is_running(status) and status.get("exit_status") not in (None, 0, 143):
+        status["failure_class"] = class_of_exit(status["exit_status"])
     return status

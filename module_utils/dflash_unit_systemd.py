@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 
+from ansible.module_utils.dflash_failures import EXIT_CODES, SIGNAL, codes_with
 from ansible.module_utils.dflash_host import read_text
 from ansible.module_utils.dflash_unit_records import (
     RUNNING,
@@ -42,10 +43,18 @@ SHOW_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "ExecMainS
 # the exit status (systemd unloads a transient unit that ends cleanly, and its status with it), one line
 # per end in `events` (time, result, how it ended: the restart and watchdog counts), and the reason the
 # on-failure hook reports. A fixed script: the only variable part, the directory, is an argument.
+# The failure class of the end (module_utils/dflash_failures.py) goes into reason.env as DFLASH_FAILURE_CLASS.
+FAILURE_CLASS_CASE = (
+    'case "$EXIT_CODE:$EXIT_STATUS" in exited:0) c= ;; '
+    + " ".join(f"exited:{code}) c={cls} ;;" for cls, code in sorted(EXIT_CODES.items(), key=lambda item: item[1]))
+    + f" exited:*) c=unknown ;; killed:*|dumped:*) c={SIGNAL} ;; *) c= ;; esac; "
+)
 RECORD_EXIT_SCRIPT = (
     'echo "$EXIT_CODE $EXIT_STATUS" > "$0/exit_status"; '
     'echo "$(date +%s) $SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" >> "$0/events"; '
-    'echo "DFLASH_REASON=$SERVICE_RESULT: $EXIT_CODE $EXIT_STATUS" > "$0/reason.env"'
+    + FAILURE_CLASS_CASE
+    + 'echo "DFLASH_REASON=$SERVICE_RESULT: $EXIT_CODE $EXIT_STATUS" > "$0/reason.env"; '
+    'echo "DFLASH_FAILURE_CLASS=$c" >> "$0/reason.env"'
 )
 
 
@@ -95,7 +104,7 @@ echo "dflash job $name: relaunched from its last deployed launch"
 """
 
 
-# Bad input (exit 2) does not fix itself: never restarted.
+# Bad input (exit 2) does not fix itself: never restarted (with the other classes of the policy `never`).
 NO_RESTART_EXIT_STATUS = (2,)
 
 
@@ -198,8 +207,14 @@ def restart_properties(spec):
         "-p", f"RestartSec={int(restart.get('delay', 10))}s",
         "-p", f"StartLimitBurst={int(restart.get('burst', 3))}",
         "-p", f"StartLimitIntervalSec={int(restart.get('interval', 600))}s",
-        "-p", "RestartPreventExitStatus=" + " ".join(str(c) for c in NO_RESTART_EXIT_STATUS),
+        "-p", "RestartPreventExitStatus=" + " ".join(str(c) for c in no_restart_exit_status(restart)),
     ]  # fmt: skip
+
+
+def no_restart_exit_status(restart):
+    """The exit codes never restarted: bad input, and the classes whose policy is `never` (module_utils/dflash_failures).
+    `once` is the daemon backend's alone: systemd restarts those classes like any other failure, within the burst."""
+    return sorted(set(NO_RESTART_EXIT_STATUS) | set(codes_with(restart.get("classes"), "never")))
 
 
 def systemd_run_args(spec, systemd_run="systemd-run"):

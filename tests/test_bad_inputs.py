@@ -327,7 +327,7 @@ def test_10_bad_input_found_at_setup_leaves_a_failed_heartbeat_with_the_error(wr
     data.write_text('{"messages": [{"role": "user", "content": "count"}]}\n{not json}\n')
     tiny_dict["data"] = {**tiny_dict["data"], "synthetic": None, "regenerate": None, "train_path": str(data)}
     tiny_dict["output_dir"] = str(tmp_path / "run")
-    assert main(["train", str(write_config(tiny_dict))]) == 2
+    assert main(["train", str(write_config(tiny_dict))]) == 3  # a data error (dflash/failures.py)
     line = one_error_line(capsys)
     beat = json.loads((tmp_path / "run" / "heartbeat.json").read_text())
     assert beat["status"] == "failed" and beat["step"] == 0 and beat["error"] == line.removeprefix("dflash: error: ")

@@ -250,14 +250,14 @@ def _chat(user="count by 1 from w1", answer="w1 w2 w3 w4 w5 w6 w7 w8 w9"):
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
 
 
-def test_non_utf8_data_exits_2_naming_file_and_line(write_config, tiny_dict, tmp_path, capsys):
+def test_non_utf8_data_exits_3_data_error_naming_file_and_line(write_config, tiny_dict, tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_bytes(json.dumps(_chat()).encode() + b"\n" + b'{"messages": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"train\.jsonl:2: not UTF-8"):
         read_jsonl(data)
     tiny_dict["data"] = {**tiny_dict["data"], "synthetic": None, "train_path": str(data)}
     tiny_dict["output_dir"] = str(tmp_path / "out")
-    assert main(["train", str(write_config(tiny_dict))]) == 2
+    assert main(["train", str(write_config(tiny_dict))]) == 3  # a data error (dflash/failures.py)
     err = capsys.readouterr().err
     assert f"{data}:2: not UTF-8" in err and err.count("\n") == 1 and "Traceback" not in err
 

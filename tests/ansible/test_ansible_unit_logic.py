@@ -83,7 +83,7 @@ def test_systemd_run_command_line():
         "-p", "Type=exec", "-p", "KillMode=mixed", "-p", "TimeoutStopSec=120s",
         "-p", "StandardOutput=append:/var/log/dflash/j.log", "-p", "StandardError=append:/var/log/dflash/j.log",
         "-p", "Restart=on-failure", "-p", "RestartSec=5s", "-p", "StartLimitBurst=3", "-p", "StartLimitIntervalSec=300s",
-        "-p", "RestartPreventExitStatus=2",
+        "-p", "RestartPreventExitStatus=2 3 6",  # bad_input, data_error, gpu_error (dflash_failures.DEFAULT_POLICY)
         "-p", "WatchdogSec=900s", "-p", "NotifyAccess=main",
         "-p", "OnFailure=dflash-train-on-failure.service",
         "-p", "EnvironmentFile=/etc/dflash/j.env",

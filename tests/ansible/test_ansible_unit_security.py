@@ -58,7 +58,8 @@ def test_the_exit_recorder_is_a_fixed_script_and_the_directory_only_its_argument
     subprocess.run(["/bin/sh", "-c", RECORD_EXIT_SCRIPT, str(odd)], env=env, check=True, cwd=tmp_path)
     assert (odd / "exit_status").read_text() == "killed KILL\n"
     assert (odd / "events").read_text().split()[1:] == ["signal", "killed", "KILL"]
-    assert parse_environment_file((odd / "reason.env").read_text()) == {"DFLASH_REASON": "signal: killed KILL"}
+    assert parse_environment_file((odd / "reason.env").read_text()) == {"DFLASH_REASON": "signal: killed KILL",
+                                                                     "DFLASH_FAILURE_CLASS": "signal"}
     assert not (tmp_path / "pwned").exists()
 
 

@@ -109,19 +109,19 @@ def test_the_start_up_allowance_covers_a_slow_start(daemon):
 def test_a_crash_loop_stops_after_the_burst_runs_the_hook_and_is_reported(daemon, tmp_path):
     backend, make = daemon
     hook_out = tmp_path / "hook.out"
-    spec = make(["sh", "-c", "echo crashing; exit 3"],
+    spec = make(["sh", "-c", "echo crashing; exit 1"],  # an unknown failure: restarted (dflash_failures)
                 on_failure=["sh", "-c", f'echo "$DFLASH_JOB|$DFLASH_REASON" > {hook_out}'])
     backend.start(spec)
     status = wait_for(lambda: backend.status(spec)["active_state"] == "failed" and backend.status(spec))
     assert status and status["crash_loop"] and status["restarts"] == 2, backend.status(spec)
     assert open(spec["log_path"]).read().count("crashing") == 3  # the burst: 3 starts, then no more
     assert wait_for(hook_out.exists)
-    assert hook_out.read_text() == f"{spec['name']}|exit-code: exited 3\n"
-    assert status["last_exit_reason"] == "exit-code (exited 3)" and status["exit_status"] == 3
+    assert hook_out.read_text() == f"{spec['name']}|exit-code: exited 1\n"
+    assert status["last_exit_reason"] == "exit-code (exited 1)" and status["exit_status"] == 1
     (tmp_path / "state" / "config_hash").write_text("h1\n")
     assert wait_for(lambda: supervisor_gone(spec))
     before = launch_record(spec)
-    with pytest.raises(UnitError, match=r"(?s)crash loop: restarted 2 time\(s\).*exit-code \(exited 3\).*state=restarted.*crashing"):
+    with pytest.raises(UnitError, match=r"(?s)crash loop: restarted 2 time\(s\).*exit-code \(exited 1\).*state=restarted.*crashing"):
         ensure(spec, "started", backend, LocalHost())
     # not relaunched blindly: a launch would have written a new record before ensure() returned
     assert launch_record(spec) == before and supervisor_gone(spec)

@@ -1,0 +1,137 @@
+"""The restart policy per failure class (module_utils/dflash_failures.py) with real processes on the daemon backend:
+out of memory (exit 4) restarted at most once, a data error (3) never, an unknown failure (1) until the burst; the
+class in the status and in the failure hook's environment; and the systemd backend's properties for the policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from ansible.module_utils.dflash_failures import DEFAULT_POLICY, PolicyError, codes_with, restart_policy
+from ansible.module_utils.dflash_host import LocalHost
+from ansible.module_utils.dflash_unit_daemon import DaemonBackend
+from ansible.module_utils.dflash_unit_spec import parse_environment_file
+from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, systemd_run_args
+from conftest import ROOT
+from conftest import wait_for as conftest_wait_for
+
+BURST = 4
+
+
+def wait_for(predicate):
+    return conftest_wait_for(predicate, 300.0, 0.05)
+
+
+def supervisor_gone(spec):
+    """The job's supervisor (the only process that restarts it) has exited: no restart can follow."""
+    pid = json.loads(open(os.path.join(spec["state_dir"], "pid")).read())["supervisor_pid"]
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(") ", 1)[1][0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    backend = DaemonBackend(LocalHost())
+    specs = []
+
+    def make(code, classes=None):
+        """A fake trainer that prints one line and exits `code` every time."""
+        hook = ["sh", "-c", f'echo "$DFLASH_FAILURE_CLASS|$DFLASH_REASON" > {tmp_path / "hook.out"}']
+        restart = {"policy": "on-failure", "delay": 0.2, "burst": BURST, "interval": 600}
+        if classes is not None:
+            restart["classes"] = restart_policy(classes)
+        spec = {"name": "fc-" + tmp_path.name[-20:], "command": ["sh", "-c", f"echo 'run of exit {code}'; exit {code}"],
+                "log_path": str(tmp_path / "job.log"), "state_dir": str(tmp_path / "state"), "stop_timeout": 5,
+                "working_directory": str(tmp_path), "environment": {"PYTHONPATH": str(ROOT)}, "config_hash": "h1",
+                "settle_time": 0, "restart": restart, "on_failure": hook}  # fmt: skip
+        specs.append(spec)
+        backend.start(spec)
+        assert wait_for(lambda: supervisor_gone(spec)), "the supervisor never decided"  # no restart can follow
+        return spec, backend.status(spec), open(spec["log_path"]).read().count("run of exit"), tmp_path / "hook.out"
+
+    yield make
+    for spec in specs:
+        backend.stop({**spec, "stop_timeout": 1})
+
+
+def test_out_of_memory_is_restarted_exactly_once_then_stays_failed(daemon):
+    spec, status, runs, hook = daemon(4)
+    assert runs == 2 and status["restarts"] == 1, status
+    assert status["active_state"] == "failed" and status["exit_status"] == 4
+    assert status["failure_class"] == "cuda_oom"
+    assert wait_for(hook.exists) and hook.read_text() == "cuda_oom|exit-code: exited 4\n"
+    env = parse_environment_file(open(os.path.join(spec["state_dir"], "reason.env")).read())
+    assert env == {"DFLASH_REASON": "exit-code: exited 4", "DFLASH_FAILURE_CLASS": "cuda_oom"}
+
+
+def test_a_data_error_is_never_restarted(daemon):
+    _spec, status, runs, hook = daemon(3)
+    assert runs == 1 and status["restarts"] == 0, status
+    assert status["active_state"] == "failed" and status["failure_class"] == "data_error" and not status["crash_loop"]
+    assert wait_for(hook.exists) and hook.read_text() == "data_error|exit-code: exited 3\n"
+
+
+def test_a_gpu_error_is_never_restarted(daemon):
+    _spec, status, runs, _hook = daemon(6)
+    assert runs == 1 and status["restarts"] == 0 and status["failure_class"] == "gpu_error", status
+
+
+def test_an_unknown_failure_is_restarted_until_the_burst(daemon):
+    _spec, status, runs, hook = daemon(1)
+    assert runs == BURST and status["restarts"] == BURST - 1 > 1, status
+    assert status["failure_class"] == "unknown" and status["crash_loop"]
+    assert wait_for(hook.exists) and hook.read_text() == "unknown|exit-code: exited 1\n"
+
+
+def test_the_policy_is_set_per_class(daemon):
+    """The inventory's policy: out of memory never restarted, a data error always (within the burst)."""
+    _spec, status, runs, _hook = daemon(4, {"cuda_oom": "never"})
+    assert runs == 1 and status["restarts"] == 0 and status["failure_class"] == "cuda_oom", status
+
+
+def test_a_data_error_restarted_when_the_policy_says_always(daemon):
+    _spec, status, runs, _hook = daemon(3, {"data_error": "always"})
+    assert runs == BURST and status["restarts"] == BURST - 1, status
+
+
+def test_policy_defaults_and_refusals():
+    assert restart_policy(None) == DEFAULT_POLICY
+    assert codes_with(None, "never") == [2, 3, 6] and codes_with(None, "once") == [4]
+    assert codes_with({"cuda_oom": "always", "unknown": "never"}, "never") == [1, 2, 3, 6]
+    with pytest.raises(PolicyError, match="unknown failure class 'oom'"):
+        restart_policy({"oom": "never"})
+    with pytest.raises(PolicyError, match="'twice' is not one of never, once, always"):
+        restart_policy({"cuda_oom": "twice"})
+
+
+def _prevent(spec):
+    args = systemd_run_args(spec)
+    return next(a for a in args if a.startswith("RestartPreventExitStatus="))
+
+
+def test_the_systemd_unit_never_restarts_the_never_classes():
+    spec = {"name": "j", "command": ["/bin/true"], "log_path": "/var/log/j.log", "state_dir": "/var/lib/dflash-units/j",
+            "restart": {"policy": "on-failure", "delay": 5, "burst": 3, "interval": 300}}
+    assert _prevent(spec) == "RestartPreventExitStatus=2 3 6"
+    spec["restart"]["classes"] = restart_policy({"gpu_error": "always", "collective_timeout": "never"})
+    assert _prevent(spec) == "RestartPreventExitStatus=2 3 5"
+    spec["restart"]["classes"] = restart_policy({"bad_input": "always"})  # exit 2 is never restarted regardless
+    assert _prevent(spec).startswith("RestartPreventExitStatus=2 ")
+
+
+@pytest.mark.parametrize("code,status,cls", [("exited", "4", "cuda_oom"), ("exited", "5", "collective_timeout"),
+                                             ("exited", "1", "unknown"), ("exited", "9", "unknown"),
+                                             ("killed", "KILL", "signal"), ("exited", "0", "")])
+def test_the_systemd_recorder_gives_the_hook_the_class(tmp_path, code, status, cls):
+    """ExecStopPost's script (run as systemd runs it) writes DFLASH_FAILURE_CLASS beside DFLASH_REASON into reason.env,
+    the OnFailure hook's EnvironmentFile."""
+    (tmp_path / "state").mkdir()
+    env = {"EXIT_CODE": code, "EXIT_STATUS": status, "SERVICE_RESULT": "exit-code", "PATH": "/usr/bin:/bin"}
+    subprocess.run(["/bin/sh", "-c", RECORD_EXIT_SCRIPT, str(tmp_path / "state")], env=env, check=True)
+    got = parse_environment_file((tmp_path / "state" / "reason.env").read_text())
+    assert got == {"DFLASH_REASON": f"exit-code: {code} {status}", "DFLASH_FAILURE_CLASS": cls}

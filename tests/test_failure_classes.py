@@ -1,0 +1,116 @@
+"""Failure classes (dflash/failures.py): every end of the trainer has a class and its exit code, written into the
+heartbeat before the exit; the unit's restart policy reads the code (tests/ansible/test_ansible_failure_classes.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from dflash import failures
+from dflash.cli import main
+from dflash.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _beat(run: Path) -> dict:
+    return json.loads((run / "heartbeat.json").read_text())
+
+
+def test_the_class_table_is_the_one_module_utils_mirrors():
+    sys.path.insert(0, str(ROOT / "module_utils"))
+    try:
+        import dflash_failures
+    finally:
+        sys.path.remove(str(ROOT / "module_utils"))
+    assert dflash_failures.EXIT_CODES == failures.EXIT_CODES
+    assert dflash_failures.SIGNAL == failures.SIGNAL
+    for status in (None, 0, 1, 2, 3, 4, 5, 6, 7, 137, 143):
+        assert dflash_failures.class_of_exit(status) == failures.class_of_exit(status), status
+
+
+def test_out_of_memory_at_step_3_exits_4_with_the_class_and_the_setting_to_lower(write_config, tiny_dict, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """torch.OutOfMemoryError (what torch.cuda raises), raised on a CPU by a patched step 3."""
+    step = Trainer.train_step
+
+    def train_step(self):
+        if self.step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    tiny_dict["output_dir"] = str(tmp_path / "run")
+    tiny_dict["optim"]["max_steps"] = 6
+    assert main(["train", str(write_config(tiny_dict))]) == failures.EXIT_CODES["cuda_oom"] == 4
+    beat = _beat(tmp_path / "run")
+    assert beat["status"] == "failed" and beat["failure_class"] == "cuda_oom" and beat["step"] == 2
+    assert "lower data.token_budget" in beat["error"]
+    err = capsys.readouterr().err
+    assert "dflash: error: cuda_oom: CUDA out of memory: lower data.token_budget" in err
+
+
+def test_a_bad_data_line_is_a_data_error_exit_3(write_config, tiny_dict, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "count"}]}\n{not json}\n')
+    tiny_dict["data"] = {**tiny_dict["data"], "synthetic": None, "regenerate": None, "train_path": str(data)}
+    tiny_dict["output_dir"] = str(tmp_path / "run")
+    assert main(["train", str(write_config(tiny_dict))]) == failures.EXIT_CODES["data_error"] == 3
+    assert f"{data}:2: malformed JSON" in capsys.readouterr().err
+    beat = _beat(tmp_path / "run")
+    assert beat["status"] == "failed" and beat["failure_class"] == "data_error"
+
+
+def test_a_real_gloo_collective_timeout_is_classified(tmp_path):
+    """Two gloo ranks in one process (threads, a HashStore): rank 0's all-reduce without its peer times out (1 s).
+    In a child process: a process group left behind aborts the interpreter at its exit."""
+    script = textwrap.dedent("""
+        import datetime, json, os, sys, threading
+        import torch, torch.distributed as dist
+        from dflash.failures import classify
+        store, groups = dist.HashStore(), {}
+        def make(rank):
+            groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, 2, datetime.timedelta(seconds=1))
+        threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        try:
+            groups[0].allreduce([torch.ones(3)]).wait()
+            print(json.dumps({"class": None}))
+        except Exception as exc:
+            print(json.dumps({"class": classify(exc), "message": str(exc)}))
+        sys.stdout.flush()
+        os._exit(0)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["class"] == "collective_timeout", (got, r.stderr[-2000:])
+    assert "Timed out waiting" in got["message"]
+
+
+def test_classes_of_exceptions_and_exits(monkeypatch):
+    assert failures.classify(RuntimeError("[gloo/transport/tcp/pair.cc:598] Timed out waiting 30000ms for recv "
+                                          "operation to complete")) == "collective_timeout"
+    assert failures.classify(RuntimeError("CUDA error: an illegal memory access was encountered")) == "gpu_error"
+    assert failures.classify(RuntimeError("CUDA error: uncorrectable ECC error encountered")) == "gpu_error"
+    assert failures.classify(torch.OutOfMemoryError("CUDA out of memory")) == "cuda_oom"
+    assert failures.classify(torch.cuda.OutOfMemoryError("x")) == "cuda_oom"
+    assert failures.classify(ValueError("something else")) == "unknown"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert failures.describe("gpu_error", RuntimeError("CUDA error: unspecified launch failure")).startswith(
+        "gpu_error on cuda:1")
+    assert [failures.class_of_exit(s) for s in (0, 1, 2, 3, 4, 5, 6, 9, 137)] == \
+        [None, "unknown", "bad_input", "data_error", "cuda_oom", "collective_timeout", "gpu_error", "unknown", "signal"]
+
+
+def test_the_launcher_exits_with_the_class_of_the_rank_that_failed_first(tmp_path):
+    failures.write_rank_failure(str(tmp_path), 1, "collective_timeout", "Timed out waiting")
+    first = failures.first_rank_failure(str(tmp_path))
+    assert first["rank"] == 1 and first["failure_class"] == "collective_timeout"
+    failures.clear_rank_failures(str(tmp_path))
+    assert failures.first_rank_failure(str(tmp_path)) is None
