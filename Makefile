@@ -54,6 +54,10 @@ TRAIN_ARGS ?=
 # Structured overrides: make train CONFIG=file.yml passes `-e @file.yml` (an extra-vars YAML file of dflash_*
 # variables, e.g. a whole dflash_job_config; docs/operations.md). A missing file stops make before anything runs.
 CONFIG ?=
+# only `make train CONFIG=...`: a CONFIG in the shell's environment (another tool's) is not an overrides file
+ifeq ($(origin CONFIG),environment)
+CONFIG :=
+endif
 ifneq ($(filter train,$(MAKECMDGOALS)),)
 ifneq ($(CONFIG),)
 ifeq ($(wildcard $(CONFIG)),)

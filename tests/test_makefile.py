@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,11 @@ def test_the_phase_time_callbacks_are_installed():
         proc = subprocess.run([str(Path(sys.executable).parent / "ansible-doc"), "-t", "callback", callback],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
+
+
+def test_a_config_in_the_environment_is_not_an_overrides_file(tmp_path):
+    env = {**os.environ, "CONFIG": str(tmp_path / "missing.yml")}
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "train", "stop"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "-e @" not in proc.stdout
