@@ -218,6 +218,14 @@ unit:
   description: The unit's state (backend, active_state, sub_state, main_pid, main_pid_alive, exit_status, result).
   returned: always
   type: dict
+failure_class:
+  description:
+    - The class of the job's last failure (docs/operations.md, "Self-healing") - C(bad_input), C(data_error),
+      C(cuda_oom), C(collective_timeout), C(gpu_error), C(signal) or C(unknown) - from the trainer's C(failed)
+      heartbeat, else from the unit's exit status; null when it did not fail.
+  returned: always
+  type: str
+  sample: cuda_oom
 step:
   description: Heartbeat step (of this launch only; null before its first heartbeat).
   returned: always

@@ -498,6 +498,8 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
     lines.append(
         f"unit: backend={unit.get('backend', '?')} active_state={unit.get('active_state')} sub_state={unit.get('sub_state')} "
         f"main_pid={unit.get('main_pid') or '-'} exit_status={'-' if unit.get('exit_status') is None else unit['exit_status']}"
+        + (f" failure_class={failure_class(unit, hb if current else None)}" if failure_class(unit, hb if current else None)
+           else "")
     )
     if hb and current:
         age = obs["wall"] - float(hb.get("time") or 0)
@@ -535,6 +537,14 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
         lines.append(f"log {log_path} (last {len(log_tail)} lines):")
         lines.extend("  | " + line for line in log_tail)
     return "\n".join(lines)
+
+
+def failure_class(unit, hb):
+    """The class of the job's last failure (dflash/failures.py): the trainer's own (its `failed` heartbeat) when it
+    wrote one, else that of the unit's exit status; None when it did not fail."""
+    if hb and hb.get("status") == "failed" and hb.get("failure_class"):
+        return hb["failure_class"]
+    return unit.get("failure_class")
 
 
 def _sleep_for(poll_interval, polls):
@@ -582,6 +592,7 @@ def check_health(host, params, status_probe, wall_clock=time.time):
                  else DRIVER_MISMATCH_HINT if state == DRIVER_MISMATCH else None),
         "unit": obs["unit"],
         "unit_pids": obs.get("unit_pids", []),
+        "failure_class": failure_class(obs["unit"], hb),
         "step": hb.get("step"),
         "epoch": hb.get("epoch"),
         "loss": hb.get("loss"),

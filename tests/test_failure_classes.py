@@ -114,3 +114,14 @@ def test_the_launcher_exits_with_the_class_of_the_rank_that_failed_first(tmp_pat
     assert first["rank"] == 1 and first["failure_class"] == "collective_timeout"
     failures.clear_rank_failures(str(tmp_path))
     assert failures.first_rank_failure(str(tmp_path)) is None
+
+
+def test_dflash_ops_shows_the_class_in_the_job_line():
+    from dflash.ops.results import FAILED, ContainerStatus, _apply_unit_fields, _describe
+
+    c = ContainerStatus(host="ct1", state=FAILED)
+    _apply_unit_fields(c, {"active_state": "failed", "exit_status": 4, "restarts": 1, "failure_class": "cuda_oom",
+                           "last_exit_reason": "exit-code (exited 4)", "crash_loop": True})
+    assert c.failure_class == "cuda_oom"
+    assert "exit status 4 (cuda_oom)" in _describe(c)
+

@@ -85,6 +85,7 @@ class ContainerStatus:
     watchdog_kills: int = 0
     last_exit_reason: str | None = None
     crash_loop: bool = False
+    failure_class: str | None = None  # the class of the last failed end (dflash/failures.py): cuda_oom, data_error, ...
     # Health and the trainer's heartbeat (dflash_health).
     healthy: bool | None = None
     health_state: str | None = None  # dflash_health's state, when it ran
@@ -246,7 +247,9 @@ def _describe(c: ContainerStatus) -> str:
     if c.checkpoint:
         bits.append(f"checkpoint {c.checkpoint}")
     if c.state in (STOPPED, FAILED, CRASHED, FAILED_TO_START, LOST, DRIVER_MISMATCH) and c.exit_status is not None:
-        bits.append(f"exit status {c.exit_status}")
+        bits.append(f"exit status {c.exit_status}" + (f" ({c.failure_class})" if c.failure_class else ""))
+    elif c.failure_class:
+        bits.append(f"last failure class {c.failure_class}")
     if c.restarts or c.crash_loop:
         bits.append(f"restarted {c.restarts}x (watchdog {c.watchdog_kills}x), last failure {c.last_exit_reason or '-'}"
                     + (": crash loop, restarts exhausted" if c.crash_loop else ""))
@@ -382,6 +385,7 @@ def _apply_unit_fields(container: ContainerStatus, unit: dict[str, Any]) -> None
     container.watchdog_kills = unit.get("watchdog_kills") or 0
     container.last_exit_reason = unit.get("last_exit_reason")
     container.crash_loop = bool(unit.get("crash_loop"))
+    container.failure_class = unit.get("failure_class")
 
 
 def _apply_unit(container: ContainerStatus, res: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 from ansible.module_utils.dflash_failures import DEFAULT_POLICY, PolicyError, codes_with, restart_policy
+from ansible.module_utils.dflash_health import failure_class
 from ansible.module_utils.dflash_host import LocalHost
 from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from ansible.module_utils.dflash_unit_spec import parse_environment_file
@@ -135,3 +136,10 @@ def test_the_systemd_recorder_gives_the_hook_the_class(tmp_path, code, status, c
     subprocess.run(["/bin/sh", "-c", RECORD_EXIT_SCRIPT, str(tmp_path / "state")], env=env, check=True)
     got = parse_environment_file((tmp_path / "state" / "reason.env").read_text())
     assert got == {"DFLASH_REASON": f"exit-code: {code} {status}", "DFLASH_FAILURE_CLASS": cls}
+
+
+def test_the_health_check_reports_the_trainers_class_first():
+    """dflash_health's failure_class: the trainer's own (its `failed` heartbeat), else the unit's exit status's."""
+    assert failure_class({"failure_class": "unknown"}, {"status": "failed", "failure_class": "cuda_oom"}) == "cuda_oom"
+    assert failure_class({"failure_class": "signal"}, {"status": "training"}) == "signal"
+    assert failure_class({}, None) is None
