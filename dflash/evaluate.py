@@ -126,12 +126,25 @@ def prompts_from_tokenized(dataset: TokenizedSet, limit: int) -> list[Prompt]:
     return prompts
 
 
+# --thinking: None leaves the chat template's default; True/False pass enable_thinking (Qwen3-class templates)
+THINKING_FLAGS: dict[str, bool | None] = {"keep": None, "strip": None, "disable": False, "on": True, "off": False}
+
+
+def render_prompt_ids(tokenizer, messages: list[dict[str, str]], enable_thinking: bool | None = None) -> torch.Tensor:
+    """The prompt turns rendered with the generation prompt, as the eval decodes them."""
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
+                                        **kwargs)
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def prompts_from_file(path: str | Path, tokenizer, limit: int, enable_thinking: bool | None = None) -> list[Prompt]:
-    """Chat JSONL: each row's turns up to its first assistant turn, rendered with the generation prompt."""
-    from dflash.data.chat import read_jsonl
+    """A prompt file (chat JSONL, or JSON/parquet: dflash/data/prompts.py): each row's turns up to its first
+    assistant turn, rendered with the generation prompt."""
+    from dflash.data.prompts import iter_conversations
 
     prompts = []
-    for i, messages in enumerate(read_jsonl(path)):
+    for i, (_, _, messages) in enumerate(iter_conversations(path, "pass an existing --prompts file")):
         if len(prompts) >= limit:
             break
         head = []
@@ -141,10 +154,9 @@ def prompts_from_file(path: str | Path, tokenizer, limit: int, enable_thinking: 
             head.append(m)
         if not head:
             raise BadInput(f"{path}: row {i + 1} has no prompt turn before its first assistant turn")
-        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        ids = tokenizer.apply_chat_template(head, tokenize=True, add_generation_prompt=True, return_dict=False,
-                                            **kwargs)
-        prompts.append(Prompt(f"{Path(path).name}#{i + 1}", torch.tensor(ids, dtype=torch.long)))
+        prompts.append(Prompt(f"{Path(path).name}#{i + 1}", render_prompt_ids(tokenizer, head, enable_thinking)))
+    if not prompts:
+        raise BadInput(f"{path}: holds no prompts")
     return prompts
 
 
@@ -227,13 +239,26 @@ def check_drafter_fits(drafter: Drafter, text_config, source) -> None:
                        "with the config (target) it was trained with")
 
 
-def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, prompts_file: str | None,
-             num_prompts: int, max_new_tokens: int, as_json: bool, out: str | None = None,
-             thinking: str = "keep") -> int:
+@dataclass
+class EvalSetup:
+    """What `dflash eval` decodes with: the config's target and tokenizer, the drafter, on the device."""
+
+    config: Any
+    source: Path
+    device: torch.device
+    tokenizer: Any
+    target: Target
+    drafter: Drafter
+    started: float
+
+
+def load_eval_models(config_path: str, drafter_path: str, overrides: list[str], out: str | None = None) -> EvalSetup:
+    """The config, the drafter (checked against the config's target before the target loads), the tokenizer
+    and the target; `out` is checked first."""
     from dflash.config import load_config, resolved_layer_ids
     from dflash.devices import pick_device
     from dflash.export import resolve_checkpoint
-    from dflash.inputs import load_datasets, load_tokenizer
+    from dflash.inputs import load_tokenizer
     from dflash.models.target import build_hf_model, num_layers_of, target_config, text_config_of
 
     config = load_config(config_path, overrides)
@@ -258,9 +283,19 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
                            config.target.attn_implementation, seed=config.seed, device=device)
     target = Target(model.to(device), layer_ids)
     drafter.to(device, next(target.model.parameters()).dtype if device.type == "cuda" else torch.float32)
+    return EvalSetup(config, source, device, tokenizer, target, drafter, t0)
+
+
+def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, prompts_file: str | None,
+             num_prompts: int, max_new_tokens: int, as_json: bool, out: str | None = None,
+             thinking: str = "keep") -> int:
+    from dflash.inputs import load_datasets
+
+    setup = load_eval_models(config_path, drafter_path, overrides, out)
+    config, source, device, tokenizer, target, drafter = (setup.config, setup.source, setup.device, setup.tokenizer,
+                                                          setup.target, setup.drafter)
     if prompts_file:
-        thinking_flag = {"keep": None, "strip": None, "disable": False}[thinking]
-        prompts = prompts_from_file(prompts_file, tokenizer, num_prompts, thinking_flag)
+        prompts = prompts_from_file(prompts_file, tokenizer, num_prompts, THINKING_FLAGS[thinking])
     else:
         _, evalset = load_datasets(config, tokenizer, target=target, need_train=False)
         if evalset is None or len(evalset) == 0:
@@ -272,7 +307,7 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
     report = evaluate_speculative(target, drafter, prompts, max_new_tokens, eos_ids_of(tokenizer),
                                   vocab_limit=len(tokenizer), check_lossless=False)
     result = {**report.to_dict(), "drafter": str(source), "config": str(config_path),
-              "max_new_tokens": max_new_tokens, "device": str(device), "seconds": time.time() - t0}
+              "max_new_tokens": max_new_tokens, "device": str(device), "seconds": time.time() - setup.started}
     if out:
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2) if as_json else report.render())
