@@ -153,7 +153,7 @@ echo "built rootfs cache $cache"
 """
 
 
-def run_rootfs_build(tmp_path, **env):
+def run_rootfs_build(tmp_path, *args, **env):
     """roles/container/tasks/lxc/rootfs.yml on localhost (its apt task left out), with a fake debootstrap script."""
     import subprocess
     import sys
@@ -176,7 +176,7 @@ def run_rootfs_build(tmp_path, **env):
     environ = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(tmp_path / "roles"),
                "ANSIBLE_PYTHON_INTERPRETER": sys.executable, "ANSIBLE_ASYNC_DIR": str(tmp_path / "async"),
                "ANSIBLE_NOCOLOR": "1", **env}  # fmt: skip
-    return subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(playbook)],
+    return subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", *args, str(playbook)],
                           cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -197,3 +197,9 @@ def test_a_failed_rootfs_build_fails_the_wait_with_its_error(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "debootstrap: E: Failed getting release file" in proc.stdout
     assert not (tmp_path / "cache" / "bookworm" / ".dflash-rootfs-complete").exists()
+
+
+def test_check_mode_builds_no_rootfs(tmp_path):
+    proc = run_rootfs_build(tmp_path, "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (tmp_path / "cache").exists()
