@@ -125,3 +125,19 @@ def test_dflash_ops_shows_the_class_in_the_job_line():
     assert c.failure_class == "cuda_oom"
     assert "exit status 4 (cuda_oom)" in _describe(c)
 
+
+
+def test_the_launcher_returns_the_class_of_the_first_failed_rank(tiny_config, monkeypatch, capsys):
+    """launch_torchrun with a stand-in for torchrun that exits 1 (as torchrun does whichever rank failed) after a
+    rank recorded out of memory: the launcher's exit is the class's code, not torchrun's 1."""
+    from dflash import launch
+    from dflash.distributed.topology import plan_ranks
+
+    out = tiny_config.output_dir
+    failures.write_rank_failure(out, 3, "gpu_error", "a stale record of an earlier launch")  # cleared at the start
+    script = ("import sys; from dflash import failures; "
+              f"failures.write_rank_failure({out!r}, 1, 'cuda_oom', 'cuda_oom: CUDA out of memory'); sys.exit(1)")
+    monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", script])
+    rc = launch.launch_torchrun(tiny_config, "unused.yaml", [], plan_ranks(tiny_config.topology))
+    assert rc == failures.EXIT_CODES["cuda_oom"]
+    assert "rank 1 failed first, cuda_oom" in capsys.readouterr().err

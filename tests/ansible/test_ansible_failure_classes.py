@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 from ansible.module_utils.dflash_failures import DEFAULT_POLICY, PolicyError, codes_with, restart_policy
@@ -15,7 +16,7 @@ from ansible.module_utils.dflash_host import LocalHost
 from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from ansible.module_utils.dflash_unit_spec import parse_environment_file
 from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, systemd_run_args
-from conftest import ROOT
+from conftest import ROOT, tool
 from conftest import wait_for as conftest_wait_for
 
 BURST = 4
@@ -143,3 +144,27 @@ def test_the_health_check_reports_the_trainers_class_first():
     assert failure_class({"failure_class": "unknown"}, {"status": "failed", "failure_class": "cuda_oom"}) == "cuda_oom"
     assert failure_class({"failure_class": "signal"}, {"status": "training"}) == "signal"
     assert failure_class({}, None) is None
+
+
+def test_the_module_refuses_an_unknown_class_or_policy(ansible_env, tmp_path):
+    """dflash_unit's restart_policy, checked before anything starts."""
+    args = json.dumps({"name": "fc-policy", "backend": "daemon", "command": ["true"], "log_path": str(tmp_path / "l"),
+                       "state_dir": str(tmp_path / "state"), "restart_policy": {"cuda_oom": "twice"}})
+    proc = subprocess.run([tool("ansible"), "localhost", "-c", "local", "-i", "localhost,", "-m", "dflash_unit",
+                           "-a", args, "-e", f"ansible_python_interpreter={sys.executable}"], cwd=ROOT, env=ansible_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "restart_policy: cuda_oom: 'twice' is not one of never, once, always" in proc.stdout
+    assert not (tmp_path / "state").exists()
+
+
+def test_only_a_policy_other_than_the_defaults_enters_the_launch_hash():
+    """An upgrade alone (the defaults) restarts no running job; a changed policy relaunches it with the new one."""
+    sys.path.insert(0, str(ROOT / "library"))
+    try:
+        import dflash_unit as module
+    finally:
+        sys.path.remove(str(ROOT / "library"))
+    params = {"restart": "on-failure", "restart_delay": 10, "restart_burst": 3, "restart_interval": 600, "watchdog": 0,
+              "watchdog_start": 0, "on_failure": [], "restart_policy": {}}
+    assert "restart_policy" not in module.supervision(params)
+    assert "restart_policy" not in module.supervision({**params, "restart_policy": dict(DEFAULT_POLICY)})
+    assert module.supervision({**params, "restart_policy": {"cuda_oom": "never"}})["restart_policy"]["cuda_oom"] == "never"
