@@ -85,7 +85,7 @@ def recover(unit, run_dir, log, before, t0, timeout):
 def resumed_step(log, offset):
     with open(log, errors="replace") as handle:
         handle.seek(offset)
-        found = re.findall(r"resumed from .* at step (\d+)", handle.read())
+        found = re.findall(r"resumed from \S+ at step (\d+)", handle.read())
     return int(found[-1]) if found else None
 
 
