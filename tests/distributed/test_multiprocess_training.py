@@ -199,6 +199,7 @@ def test_a_hanging_rank_is_timed_out_not_waited_for(tmp_path):
     topology = {**COLOCATED, "timeout_s": 30}
     rc, log, elapsed = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml"), fault="1:4:hang"), 900)
     assert rc == 5, log[-4000:]  # collective_timeout (dflash/failures.py): rank 0 failed first
+    assert "rank 0 failed first, collective_timeout" in log
     assert "rank 1: hanging after 4 steps" in log
     assert "Timed out waiting 30000ms" in log.split("Root Cause (first observed failure):", 1)[1]
     assert CheckpointManager(out / "checkpoints").latest_valid().name == "step-00000003"
