@@ -288,12 +288,13 @@ def regen(tmp_path: Path, inp: Path, out: Path, *extra: str) -> int:
     ({"text": "hi"}, "no 'messages'"),
     ('{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not UTF-8"),
 ])
-def test_bad_input_exits_2_naming_the_line_and_writes_nothing(tmp_path, capsys, row, message):
+def test_a_bad_data_row_exits_3_naming_the_line_and_writes_nothing(tmp_path, capsys, row, message):
+    """A data error (dflash/failures.py: data_error, exit 3), never restarted."""
     good = {"messages": [{"role": "user", "content": "count by 1 from w1"}]}
     sharegpt = {"conversations": [{"from": "human", "value": "count"}, {"from": "gpt", "value": "w1"}]}
     inp = write_rows(tmp_path / "in.jsonl", [good, sharegpt, row, good])
     out = tmp_path / "out" / "regen.jsonl"
-    assert regen(tmp_path, inp, out) == 2
+    assert regen(tmp_path, inp, out) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dflash: error: ") and f"{inp}:3: " in err[0] and message in err[0]
     assert not (tmp_path / "out").exists()
@@ -309,8 +310,8 @@ def test_input_rows_keep_their_line_numbers(tmp_path):
     assert convs == [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]] and lines == [1, 3]
 
 
-def test_missing_input_and_bad_options_exit_2(tmp_path, capsys):
-    assert regen(tmp_path, tmp_path / "nope.jsonl", tmp_path / "o.jsonl") == 2
+def test_missing_input_exits_3_and_bad_options_exit_2(tmp_path, capsys):
+    assert regen(tmp_path, tmp_path / "nope.jsonl", tmp_path / "o.jsonl") == 3  # data_error: the data is missing
     assert "does not exist" in capsys.readouterr().err
     inp = write_rows(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "count"}]}])
     assert main(["regenerate", str(inp), str(tmp_path / "o.jsonl")]) == 2
