@@ -1,7 +1,8 @@
 """`dflash regenerate --server` against a third-party OpenAI-compatible server that runs on a CPU: `transformers
 serve` (the transformers release's own server, FastAPI + uvicorn) serving a tiny random-weight Qwen3 with a
 byte-level BPE tokenizer and a Qwen-format chat template, saved by this test. Greedy answers through the server
-must be byte for byte the local transformers backend's. (This caught a 422 on vLLM's `skip_special_tokens`.)"""
+must be byte for byte the local transformers backend's. (This caught a 422 on vLLM's `skip_special_tokens` with
+transformers 5.24: tests/test_regenerate.py covers that refusal with the stub server, whatever a later release does.)"""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def served(tmp_path):
         log.close()
 
 
-def test_answers_through_transformers_serve_are_the_local_backends(tmp_path, served, capsys):
+def test_answers_through_transformers_serve_are_the_local_backends(tmp_path, served):
     target, url = served
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in generate_conversations(6, 64, 4, 10, [1, 2], seed=7)))
@@ -97,8 +98,6 @@ def test_answers_through_transformers_serve_are_the_local_backends(tmp_path, ser
     common = ["--target-path", str(target), "--max-new-tokens", "8"]
     assert main(["regenerate", str(inp), str(local), *common]) == 0
     assert main(["regenerate", str(inp), str(remote), *common, "--server", url, "--concurrency", "2"]) == 0
-    said = capsys.readouterr()
     assert remote.read_bytes() == local.read_bytes()
-    assert "the server refuses skip_special_tokens (HTTP 422)" in said.out + said.err  # transformers serve does
     manifest = json.loads((tmp_path / "served.jsonl.manifest.json").read_text())
     assert manifest["backend"]["model"] == str(target) and manifest["counts"]["regenerated_turns"] == 6

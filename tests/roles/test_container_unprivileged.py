@@ -52,5 +52,8 @@ def test_gpu_passthrough_and_mounts_work_for_the_unprivileged_container():
     entries = nvidia_dev_entries(["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm"])
     assert all(v.endswith(",mode=0666") for v in entries.values())  # openable by the container's mapped root
     assert (ROLE / "defaults" / "main.yml").read_text().count("dflash_container_gpu_passthrough: devN") == 1
-    configure = (ROLE / "tasks" / "proxmox" / "configure.yml").read_text()
-    assert "100000 if dflash_container_pct_unprivileged else 0" in configure  # bind mounts owned by mapped root
+    # bind mounts (the role's own and the inventory's) owned by the mapped root
+    assert "_dflash_container_mapped_root: \"{{ 100000 if dflash_container_pct_unprivileged else 0 }}\"" in \
+        (ROLE / "vars" / "main.yml").read_text()
+    for tasks in ("configure.yml", "bind_sources.yml"):
+        assert 'owner: "{{ _dflash_container_mapped_root }}"' in (ROLE / "tasks" / "proxmox" / tasks).read_text()
