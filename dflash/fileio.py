@@ -6,7 +6,10 @@ import errno
 import hashlib
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -75,6 +78,24 @@ def raise_if_full(exc: BaseException, path: str | os.PathLike) -> None:
             free = "free space unknown"
         raise DiskFull(f"disk full: no space left in {path.parent} while writing {path.name} ({free}; the partial "
                        "file was removed): free space there or write elsewhere") from None
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """Write `path` whole or not at all: into a hidden temp sibling, fsynced and renamed over `path` when the
+    block ends; on any error the temp file is removed and an out-of-space error becomes DiskFull."""
+    path = Path(path)
+    tmp = temp_sibling(path)
+    try:
+        with open(tmp, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        raise_if_full(exc, path)
+        raise
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

@@ -11,7 +11,7 @@ import os
 import random
 from pathlib import Path
 
-from dflash.fileio import raise_if_full, temp_sibling
+from dflash.fileio import atomic_file
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
@@ -62,16 +62,7 @@ def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> Path:
     """Atomic: a reader never sees a half-written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path)
-    try:
-        with open(tmp, "w") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        raise_if_full(exc, path)
-        raise
+    with atomic_file(path) as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
     return path

@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash.data.prompts import iter_conversations
 from dflash.errors import BadInput, DataError
-from dflash.fileio import fsync_path, raise_if_full, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
+from dflash.fileio import atomic_file, fsync_path, raise_if_full, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
 from dflash.regenerate.core import conversation_problem
 
 FORMAT = 1
@@ -39,17 +39,8 @@ def digest(obj: Any) -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """temp file + fsync + rename + directory fsync: the file is complete or absent, never partial."""
-    tmp = temp_sibling(path)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        raise_if_full(exc, path)
-        raise
+    with atomic_file(path, "wb") as fh:
+        fh.write(data)
     fsync_path(path.parent)
 
 

@@ -17,23 +17,9 @@ from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from ansible.module_utils.dflash_unit_spec import parse_environment_file
 from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, systemd_run_args
 from conftest import ROOT, tool
-from conftest import wait_for as conftest_wait_for
+from test_ansible_unit_selfheal import supervisor_gone, wait_for
 
 BURST = 4
-
-
-def wait_for(predicate):
-    return conftest_wait_for(predicate, 300.0, 0.05)
-
-
-def supervisor_gone(spec):
-    """The job's supervisor (the only process that restarts it) has exited: no restart can follow."""
-    pid = json.loads(open(os.path.join(spec["state_dir"], "pid")).read())["supervisor_pid"]
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(") ", 1)[1][0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
 
 
 @pytest.fixture

@@ -12,32 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
-from .conftest import ROOT, load_plugin
+from .conftest import ROOT, load_plugin, run_role_cases
 
 f = load_plugin("container", "dflash_container")
 
 
 def _run(tmp_path, cases):
-    tasks = []
-    for name, variables in cases.items():
-        tasks.append({"name": name, "block": [
-            {"name": "Bind sources", "ansible.builtin.include_role": {"name": "container", "tasks_from": "proxmox/bind_sources.yml"},
-             "vars": {"dflash_container_host": "node-a", **variables}},
-            {"name": "Keep success", "ansible.builtin.set_fact": {f"result_{name}": {"ok": True}}},
-        ], "rescue": [{"name": "Keep the failure", "ansible.builtin.set_fact": {f"result_{name}": {"ok": False, "msg": "{{ ansible_failed_result.msg }}"}}}]})  # fmt: skip
-    tasks.append({"name": "Dump", "ansible.builtin.copy": {"dest": str(tmp_path / "results.json"), "mode": "0644",
-                  "content": "{{ {" + ", ".join(f"'{n}': result_{n}" for n in cases) + "} | to_json }}"}})  # fmt: skip
-    playbook = tmp_path / "play.yml"
-    playbook.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(ROOT / "roles"),
-           "ANSIBLE_NOCOLOR": "1"}  # fmt: skip
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                           str(playbook), "-e", json.dumps({"ansible_python_interpreter": sys.executable})],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads((tmp_path / "results.json").read_text())
+    return run_role_cases(tmp_path, "container", "proxmox/bind_sources.yml",
+                          {name: {"dflash_container_host": "node-a", **v} for name, v in cases.items()})
 
 
 def test_bind_mount_sources_are_created_for_the_mapped_root_and_unwritable_ones_refused(tmp_path):

@@ -6,27 +6,11 @@ is used as is; a wrong sha256 is refused; when nothing gives it, the error lists
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import yaml
-
-from .conftest import ROOT
+from .conftest import run_role_cases
 
 VERSION = "580.95.05"
 NAME = f"NVIDIA-Linux-x86_64-{VERSION}.run"
-
-
-def _case(name, common, **variables):
-    variables = {**common, **variables}
-    return {"name": name, "block": [
-        {"name": "Get the installer", "ansible.builtin.include_role": {"name": "container", "tasks_from": "nvidia_installer.yml"},
-         "vars": variables},
-        {"name": "Keep success", "ansible.builtin.set_fact": {f"result_{name}": {"ok": True}}},
-    ], "rescue": [{"name": "Keep the failure", "ansible.builtin.set_fact": {f"result_{name}": {"ok": False, "msg": "{{ ansible_failed_result.msg }}"}}}]}  # fmt: skip
 
 
 def test_installer_sources(tmp_path):
@@ -44,27 +28,15 @@ def test_installer_sources(tmp_path):
     (node["kept"]).mkdir()
     (node["kept"] / NAME).write_text("already here")
     common = {"_version": VERSION, "dflash_container_nvidia_installer_urls": urls}
-    cases = [
-        _case("fallback", common, _installer=str(node["fallback"] / NAME), dflash_container_nvidia_installer_sha256=xfree_sha),
-        _case("missing", common, _installer=str(node["missing"] / NAME),
-              dflash_container_nvidia_installer_urls=[f"file://{tesla}/{{version}}/a.run", f"file://{tmp_path}/nowhere/{{version}}/b.run"]),
-        _case("badsum", common, _installer=str(node["badsum"] / NAME), dflash_container_nvidia_installer_sha256=xfree_sha),
-        _case("given", common, _installer=str(node["given"] / NAME), dflash_container_nvidia_installer_src=str(given)),
-        _case("kept", common, _installer=str(node["kept"] / NAME), dflash_container_nvidia_installer_urls=[]),
-    ]  # fmt: skip
-    names = [c["name"] for c in cases]
-    dump = {"name": "Dump", "ansible.builtin.copy": {
-        "dest": str(tmp_path / "results.json"), "mode": "0644",
-        "content": "{{ {" + ", ".join(f"'{n}': result_{n}" for n in names) + "} | to_json }}"}}  # fmt: skip
-    playbook = tmp_path / "play.yml"
-    playbook.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": [*cases, dump]}]))
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(ROOT / "roles"),
-           "ANSIBLE_NOCOLOR": "1"}  # fmt: skip
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                           str(playbook), "-e", json.dumps({"ansible_python_interpreter": sys.executable})],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    cases = {
+        "fallback": dict(common, _installer=str(node["fallback"] / NAME), dflash_container_nvidia_installer_sha256=xfree_sha),
+        "missing": dict(common, _installer=str(node["missing"] / NAME),
+                        dflash_container_nvidia_installer_urls=[f"file://{tesla}/{{version}}/a.run", f"file://{tmp_path}/nowhere/{{version}}/b.run"]),
+        "badsum": dict(common, _installer=str(node["badsum"] / NAME), dflash_container_nvidia_installer_sha256=xfree_sha),
+        "given": dict(common, _installer=str(node["given"] / NAME), dflash_container_nvidia_installer_src=str(given)),
+        "kept": dict(common, _installer=str(node["kept"] / NAME), dflash_container_nvidia_installer_urls=[]),
+    }  # fmt: skip
+    results = run_role_cases(tmp_path, "container", "nvidia_installer.yml", cases)
 
     # not under the Tesla tree: the XFree86 one, its sha256 checked
     assert results["fallback"] == {"ok": True} and (node["fallback"] / NAME).read_text() == "#!/bin/sh\necho xfree86\n"
