@@ -352,7 +352,8 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         # every rank (DDP: the same weights, the same answer): weights that overflowed are never saved
-        if not all(bool(torch.isfinite(p).all()) for p in self.drafter.parameters()):
+        finite = torch.stack([torch.isfinite(p).all() for p in self.drafter.parameters()]).all()
+        if not bool(finite):  # one device sync, not one per parameter
             raise self._diverged(f"the drafter's weights are not finite after step {self.step}")
         if not self.is_reporter:
             return None

@@ -23,7 +23,13 @@ Standard library only: Ansible ships it to the managed host.
 import os
 import re
 import signal
+import stat
 import time
+
+from ansible.module_utils.dflash_host import tail_lines_checked
+
+# the last part of a stack file read (a file grows by one dump per request): more than a few dumps of many threads
+STACKS_TAIL_BYTES = 256 * 1024
 
 STACKS_DIR = "stacks"
 HEADER_PREFIX = "# dflash stacks:"
@@ -93,7 +99,9 @@ def read_stacks(run_dir, since=None):
     function) of its top frame or None), ``path``. Ranks without a dump since their last start, or whose file was
     last written before ``since`` (unix time, e.g. the launch), are left out."""
     directory = os.path.join(run_dir, STACKS_DIR)
-    try:
+    try:  # the run directory is the trainer's: root follows no link there and reads regular files only, a tail
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return {}
         names = os.listdir(directory)
     except OSError:
         return {}
@@ -104,13 +112,16 @@ def read_stacks(run_dir, since=None):
             continue
         path = os.path.join(directory, name)
         try:
-            mtime = os.stat(path).st_mtime
-            if since is not None and mtime < since:
-                continue
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                dumps = parse_dumps(handle.read())
+            st = os.lstat(path)
         except OSError:
             continue
+        mtime = st.st_mtime
+        if not stat.S_ISREG(st.st_mode) or (since is not None and mtime < since):
+            continue
+        lines, _ = tail_lines_checked(path, 0x7FFFFFFF, STACKS_TAIL_BYTES)
+        if lines is None:
+            continue
+        dumps = parse_dumps("\n".join(lines) + "\n")
         if not dumps:
             continue
         thread = main_thread(dumps[-1])
@@ -173,7 +184,7 @@ def _sizes(directory):
         for name in os.listdir(directory):
             if RANK_FILE.match(name):
                 try:
-                    sizes[name] = os.stat(os.path.join(directory, name)).st_size
+                    sizes[name] = os.lstat(os.path.join(directory, name)).st_size
                 except OSError:
                     pass
     except OSError:

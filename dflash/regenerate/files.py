@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash.data.prompts import iter_conversations
 from dflash.errors import BadInput, DataError
-from dflash.fileio import atomic_file, fsync_path, raise_if_full, sha256_file, temp_sibling  # noqa: F401 - sha256_file re-exported
+from dflash.fileio import atomic_file, fsync_path, sha256_file  # noqa: F401 - sha256_file re-exported
 from dflash.regenerate.core import conversation_problem
 
 FORMAT = 1
@@ -95,22 +95,13 @@ class Parts:
 
     def merge(self, num_shards: int) -> str:
         """Concatenate the shards into OUTPUT atomically; returns its sha256."""
-        tmp = temp_sibling(self.output)
         h = hashlib.sha256()
-        try:
-            with open(tmp, "wb") as out:
-                for i in range(num_shards):
-                    with open(self.shard_file(i), "rb") as fh:
-                        data = fh.read()
-                    h.update(data)
-                    out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.output)
-        except BaseException as exc:
-            tmp.unlink(missing_ok=True)
-            raise_if_full(exc, self.output)
-            raise
+        with atomic_file(self.output, "wb") as out:
+            for i in range(num_shards):
+                with open(self.shard_file(i), "rb") as fh:
+                    data = fh.read()
+                h.update(data)
+                out.write(data)
         fsync_path(self.output.parent)
         return h.hexdigest()
 

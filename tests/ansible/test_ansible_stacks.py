@@ -210,3 +210,21 @@ def test_make_status_shows_every_ranks_top_frames_and_the_stuck_one():
     assert "stacks" not in template.render(dflash_job_health={**health, "stacks": []}, inventory_hostname="c1",
                                            dflash_job_name="job", _dflash_job_multinode=False,
                                            _dflash_job_gpu_ids=[], dflash_job_log_path="/log")
+
+
+def test_root_reads_no_fifo_or_link_the_trainer_puts_in_the_stacks_directory(tmp_path):
+    """The run directory is the trainer account's: a FIFO named like a stack file (an open() would block), a link
+    to /dev/zero (endless) or a `stacks` directory that is a link are skipped, not followed."""
+    (tmp_path / "stacks").mkdir()
+    os.mkfifo(tmp_path / "stacks" / "rank-0.txt")
+    os.symlink("/dev/zero", tmp_path / "stacks" / "rank-1.txt")
+    assert read_stacks(str(tmp_path)) == {}
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "stacks").mkdir(parents=True)
+    (elsewhere / "stacks" / "rank-0.txt").write_text(
+        '# dflash stacks: rank 0 pid 1 started x (1)\nCurrent thread 0x00007f (most recent call first):\n'
+        '  File "/x.py", line 3 in stuck\n')
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(elsewhere / "stacks", linked / "stacks")
+    assert read_stacks(str(linked)) == {} and read_stacks(str(elsewhere))[0]["frames"] == ["stuck (x.py:3)"]
