@@ -177,6 +177,10 @@ class CompileConfig:
     drafter_mode: str = "default"  # torch.compile mode of the drafter forward and of flex_attention
     cache_dir: str | None = None  # inductor/Triton kernel cache; default OUTPUT_DIR/compile-cache (kept across restarts)
     flex_kernel_options: dict[str, Any] | None = None  # flex_attention tiles; null = dflash's measured choice for the GPU, {} = torch's
+    # the drafter's whole step (forward, loss, backward, clip, AdamW) replayed from a CUDA graph per input shape;
+    # null = on where the run allows it (CUDA, one rank, optim.grad_accum 1), false = never (dflash/step_graph.py)
+    step_graph: bool | None = None
+    step_graph_shapes: int = 2  # input shapes captured at most (each holds one step's activations between steps)
 
 
 @dataclass
@@ -512,6 +516,8 @@ def validate(config: RunConfig) -> None:
              f"(got {config.logging.eval_interval})")
     if config.compile.flex_kernel_options is not None:
         check_flex_options(config.compile.flex_kernel_options)
+    _require(config.compile.step_graph_shapes >= 1, f"compile.step_graph_shapes must be >= 1 (got "
+             f"{config.compile.step_graph_shapes}); set compile.step_graph=false to capture none")
     validate_topology(config.topology)
     _require(data.regenerate is None or config.topology.mode == "colocated",
              "data.regenerate runs inside colocated trainers only; for a disaggregated run regenerate the data "

@@ -21,6 +21,7 @@ class Blocks:
     labels: torch.Tensor  # (b, m, B-1): x_{a+k}, k = 1..B-1
     label_valid: torch.Tensor  # (b, m, B-1) bool: inside the sequence and in the loss mask
     rows: torch.Tensor | None = None  # (N,) flat indices of the valid labels, found on the host by `to`
+    row_mask: torch.Tensor | None = None  # (N,) float: 0 for padding rows (dflash/step_graph.py), else None
 
     def row_index(self) -> torch.Tensor:
         """Flat indices of the valid labels in (b, m, B-1), in order: the loss rows. Blocks moved by `to` carry
@@ -193,6 +194,8 @@ def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, bloc
     rows = pred.reshape(-1, h).index_select(0, index)  # (N, H)
     labels = blocks.labels.flatten().index_select(0, index)
     w = w_pos.expand(b, m, -1).flatten().index_select(0, index)
+    if blocks.row_mask is not None:  # rows padded to a fixed count (a CUDA graph's shape): the pads weigh 0
+        w = w * blocks.row_mask
     correct = torch.zeros_like(valid)
     if index.numel() == 0:
         return hidden.sum() * 0.0, correct

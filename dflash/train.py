@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash import failures, stop
+from dflash import failures, step_graph, stop
 from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
 from dflash.compile import compile_drafter, compile_target_layers, configure_for_run
 from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, default_gamma
@@ -30,7 +30,14 @@ from dflash.float8 import check_float8, convert_linears, float8_linears
 from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
-from dflash.loss import BlockStats, build_blocks, position_weights, sample_anchors, weighted_block_loss
+from dflash.loss import (
+    Blocks,
+    BlockStats,
+    build_blocks,
+    position_weights,
+    sample_anchors,
+    weighted_block_loss,
+)
 from dflash.metrics import InputTimer, MetricsWindow, StepResult
 from dflash.models.attention import compiled_flex_attention, flex_options_for, resolve_kind
 from dflash.models.drafter import Drafter, arch_from_target
@@ -186,6 +193,7 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None  # the last eval record (heartbeat, status)
         self.accepted_changes: dict[str, tuple[Any, Any]] = {}  # resume-contract changes allowed by the config
         self.previous_end: dict[str, Any] | None = None  # how the previous start ended (dflash/stacks.py)
+        self.step_graphs: step_graph.StepGraphs | None = None  # the drafter step's CUDA graphs, where it captures
 
     # the run's inputs and the target, as the rest of the loop reads them
     @property
@@ -271,6 +279,7 @@ class Trainer:
         if with_target:
             self.source.connect(self)
         self.train_model = self.reducer.wrap(self.drafter, self.step)
+        self.step_graphs = step_graph.for_trainer(self) if with_target else None
         return self
 
     def _mask_token_id(self, vocab_size: int) -> int:
@@ -429,7 +438,8 @@ class Trainer:
         lrs = [base * fn(self.scheduler.last_epoch)
                for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas, strict=True)]
         for g, lr in zip(groups, lrs, strict=True):
-            g.update(lr=lr, initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+            g.update(lr=lr, initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                     capturable=False)  # a CUDA graph's (dflash/step_graph.py) is set again when it captures
         self.scheduler._last_lr = lrs
         if changed:
             self.observer.event(f"resume: optim {', '.join(changed)} (config differs from the checkpoint); "
@@ -456,29 +466,40 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
-    def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator, model=None,
-                     num_anchors: int | None = None, leads: list | None = None):
-        """Loss and stats of one batch given its target features (shared by every topology).
-
-        `leads`: a list that receives (anchors (b, m), valid (b, m), leading correct predictions (b, m))."""
+    def prepare_blocks(self, batch: Batch, generator: torch.Generator, num_anchors: int | None = None):
+        """The host half of a micro-batch's loss: anchors and blocks from the host copy (the GPU is never waited
+        for), the blocks sent to the device, this micro-batch's FLOPs and loss weight. Returns (anchors, valid,
+        blocks on the device)."""
         c = self.config.drafter
-        host = batch.on_host  # anchors, blocks and counts come from the host copy: the GPU is never waited for
+        host = batch.on_host
         anchors, valid = sample_anchors(host.loss_mask, host.lengths, num_anchors or c.num_anchors, generator)
         on_host = build_blocks(host.input_ids, host.loss_mask, host.lengths, anchors, valid, c.block_size,
                                self.drafter.arch.mask_token_id)
-        blocks = on_host.to(self.device)
-        forward = model if model is not None else self.drafter
-        embed = self.source.embed_tokens()
         self.last_flops = drafter_step_flops(self.drafter.arch, int(host.lengths.sum()), anchors, valid,
                                              on_host.num_rows)
         self.last_weight = self.loss_weight(on_host.label_valid)
+        return anchors, valid, on_host.to(self.device)
+
+    def blocks_loss(self, features: torch.Tensor, blocks: Blocks, model=None):
+        """The device half: drafter forward and the weighted block loss. Returns (loss, correct)."""
+        c = self.config.drafter
+        forward = model if model is not None else self.drafter
+        embed = self.source.embed_tokens()
         head = self.source.lm_head_weight()
         if self.device.type != "cuda":  # no autocast off CUDA: a bf16 target's tensors meet fp32 drafter weights
             dtype = next(self.drafter.parameters()).dtype
             features, head = features.to(dtype), head.to(dtype)
         with self.autocast():
             hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self._flex)
-            loss, correct = weighted_block_loss(hidden, head, blocks, self.gamma, c.loss_chunk_size, c.loss_impl)
+            return weighted_block_loss(hidden, head, blocks, self.gamma, c.loss_chunk_size, c.loss_impl)
+
+    def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator, model=None,
+                     num_anchors: int | None = None, leads: list | None = None):
+        """Loss and stats of one batch given its target features (shared by every topology).
+
+        `leads`: a list that receives (anchors (b, m), valid (b, m), leading correct predictions (b, m))."""
+        anchors, valid, blocks = self.prepare_blocks(batch, generator, num_anchors)
+        loss, correct = self.blocks_loss(features, blocks, model)
         if leads is not None:
             hit = (correct & blocks.label_valid).float()
             leads.append((anchors, valid, torch.cumprod(hit, dim=-1).sum(-1).long().cpu()))
@@ -522,18 +543,28 @@ class Trainer:
             # micro-batch k of rank r is item k*world_size + r of the global batch: its anchors do not depend
             # on how the global batch is split
             generator = step_generator(c.seed, self.step, k * self.world_size + self.rank)
-            with self.reducer.grad_sync(k == accum - 1):
-                loss, st = self.drafter_loss(feats, batch, generator, self.train_model)
-                self.step_flops += self.last_flops.training
-                weight = self.last_weight
-                (loss * weight).backward()
+            _, _, blocks = self.prepare_blocks(batch, generator)
+            self.step_flops += self.last_flops.training
+            weight = self.last_weight
+            # the whole step (forward to AdamW) from a CUDA graph where it can (dflash/step_graph.py)
+            replayed = self.step_graphs.step(feats, blocks, weight) if self.step_graphs is not None else None
+            if replayed is not None:
+                loss, st = replayed
+            else:
+                with self.reducer.grad_sync(k == accum - 1):
+                    loss, correct = self.blocks_loss(feats, blocks, self.train_model)
+                    (loss * weight).backward()
+                st = BlockStats.of(correct, blocks)
             loss_sum += loss.detach().double() * weight
             weight_sum += weight
             stats = st if stats is None else stats + st
             tokens += batch.num_tokens
         loss_total, weight_total = self.reducer.reduce_step(loss_sum, weight_sum)
         # DDP averaged the gradients over world_size ranks; undo that and divide by the global weight
-        self.optimizer_step(self.world_size / max(weight_total, 1e-12))
+        if replayed is None:
+            self.optimizer_step(self.world_size / max(weight_total, 1e-12))
+        else:  # the graph scaled, clipped and stepped
+            self.scheduler.step()
         self.step += 1
         loss_total = float(loss_total)  # the step's one sync: the loss is checked for NaN before the next step
         self.input_seconds += self.input_timer.collect()
@@ -663,7 +694,7 @@ class Trainer:
         stats, elapsed = window.stats, window.elapsed()
         record = {"step": self.step, "epoch": epoch, "loss": window.loss, "acc": stats.accuracy,
                   "tau": stats.tau, "tokens_per_s": window.tokens / elapsed,
-                  "blocks_per_s": float(stats.num_blocks) / elapsed, "lr": self.scheduler.get_last_lr()[0],
+                  "blocks_per_s": float(stats.num_blocks) / elapsed, "lr": float(self.scheduler.get_last_lr()[0]),
                   "mem_gib": self.memory_gib()}
         peak = peak_flops(self.device, self.config.runtime.peak_tflops)
         if peak:
