@@ -20,22 +20,19 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dflash.logs import get_logger
 from dflash.loss import Blocks, BlockStats, weighted_block_loss
 
-if TYPE_CHECKING:
-    from dflash.train import Trainer
-
 log = get_logger(__name__)
 
 ROW_QUANTUM = 256  # label rows are padded up to a multiple of this: one shape for nearby counts
 
 
-def unsupported(trainer: Trainer) -> str | None:
+def unsupported(trainer: Any) -> str | None:
     """Why this run's steps cannot be captured, or None."""
     if trainer.device.type != "cuda":
         return f"the drafter runs on {trainer.device.type}, not CUDA"
@@ -48,7 +45,7 @@ def unsupported(trainer: Trainer) -> str | None:
     return None
 
 
-def for_trainer(trainer: Trainer) -> StepGraphs | None:
+def for_trainer(trainer: Any) -> StepGraphs | None:
     """The trainer's step graphs per `compile.step_graph` (null: where the run allows it), or None."""
     wanted = trainer.config.compile.step_graph
     if wanted is False:
@@ -106,8 +103,8 @@ class _Graph:
 class StepGraphs:
     """The trainer's drafter step, one CUDA graph per input shape (module docstring)."""
 
-    def __init__(self, trainer: Trainer, max_shapes: int = 2, capture: bool = True):
-        self.trainer = trainer
+    def __init__(self, trainer: Any, max_shapes: int = 2, capture: bool = True):
+        self.trainer = trainer  # a dflash.train.Trainer (not imported: it imports this module)
         self.max_shapes = max_shapes
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}
