@@ -278,6 +278,10 @@ def test_a_fictional_family_is_one_entry_of_the_table(toy_architecture, monkeypa
     monkeypatch.setattr(families, "FAMILIES", (*FAMILIES, installed))  # its kernels importable: the fast path
     assert fast_path_report(model, 4).fast
     monkeypatch.setattr(families, "FAMILIES", (*FAMILIES, TOY))
+    from dflash import doctor
+
+    info = doctor.collect()  # the doctor lists every family's kernels packages
+    assert info["toy_kernels"] is False and "toy-kernels: no" in doctor.render(info)
 
     # the drafter takes the target's geometry and the family's defaults where the config has none
     from dflash.models.drafter import arch_from_target
