@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash.models.families import family_of
+
 log = logging.getLogger(__name__)
 
 
@@ -152,33 +154,30 @@ def _allow_recompiles(n: int) -> None:
     setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), n + 8))
 
 
-EAGER_MIXERS = ("GatedDeltaNet",)
-"""Token mixers (by class-name part) that stay eager inside a compiled decoder layer: traced, the hybrid
-target's GatedDeltaNet (flash-linear-attention's Triton kernels, causal-conv1d's CUDA op) made the whole
-Qwen3.6-27B-shaped forward 0.76x its eager fast path (docs/PERFORMANCE.md); the norms, the MLP and the
-attention layers around them still compile."""
-
-
-def keep_mixers_eager(layers: list[nn.Module]) -> None:
-    """Wrap the `EAGER_MIXERS` modules' forward in `torch.compiler.disable` (a graph break around each, no
-    change eagerly); a module already wrapped is left as it is."""
+def keep_mixers_eager(layers: list[nn.Module], mixers: tuple[str, ...]) -> None:
+    """Wrap the forward of the modules whose class name contains one of `mixers` in `torch.compiler.disable`
+    (a graph break around each, no change eagerly); a module already wrapped is left as it is."""
+    if not mixers:
+        return
     for layer in layers:
         for module in layer.modules():
-            if any(part in type(module).__name__ for part in EAGER_MIXERS) and not getattr(
+            if any(part in type(module).__name__ for part in mixers) and not getattr(
                     module, "_dflash_kept_eager", False):
                 module.forward = torch.compiler.disable(module.forward)
                 module._dflash_kept_eager = True
 
 
 def compile_target_layers(target: Any, mode: str, backend: str | Callable = "inductor") -> EagerFallback:
-    """Each decoder layer of a `Target` compiled for its `features` calls (the forward hooks stay eager, and
-    so do the `EAGER_MIXERS` inside a layer); other uses of the model (the eval's decoding, regeneration)
-    keep the eager layers.
+    """Each decoder layer of a `Target` (or a stage of one) compiled for its `features` calls (the forward hooks
+    stay eager, and so do the token mixers its family keeps eager: traced, the hybrid target's GatedDeltaNet
+    made the whole Qwen3.6-27B-shaped forward 0.76x its eager fast path, docs/PERFORMANCE.md; the norms, the
+    MLP and the attention layers around them still compile); other uses of the model (the eval's decoding,
+    regeneration) keep the eager layers.
 
     Returns the guard now installed as `target.features`: on a compiler error every layer goes back to
     eager and the same call is answered eagerly."""
     layers = list(target.layers)
-    keep_mixers_eager(layers)
+    keep_mixers_eager(layers, family_of(target.model.config).eager_modules)
     _allow_recompiles(len(layers))
     _quiet_autotune_candidates(mode)
     compiled = [torch.compile(layer.forward, mode=torch_mode(mode), backend=backend)

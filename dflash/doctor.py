@@ -6,16 +6,12 @@ from typing import Any
 
 import torch
 
-from dflash.models.target import FastPathReport, Target, kernels_importable
+from dflash.models.families import all_kernels, family_named, kernels_importable
+from dflash.models.target import FastPathReport, Target, family_report
 
 # A tiny hybrid target (3 GatedDeltaNet : 1 attention) whose single forward shows which kernels run.
-PROBE_HYBRID = {
-    "model_type": "qwen3_next", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 0,
-    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-}
+PROBE_FAMILY = family_named("qwen3_next")
+PROBE_HYBRID = dict(PROBE_FAMILY.tiny)
 
 
 def probe_fast_path(device: torch.device) -> FastPathReport:
@@ -25,9 +21,7 @@ def probe_fast_path(device: torch.device) -> FastPathReport:
         model = build_hf_model(None, dict(PROBE_HYBRID), "bfloat16" if device.type == "cuda" else "float32",
                                device=device)
     except Exception as exc:  # transformers without qwen3_next
-        fla, conv = kernels_importable()
-        return FastPathReport(hybrid=True, fla_importable=fla, causal_conv1d_importable=conv,
-                              kernels_seen=[f"probe model unavailable: {exc}"])
+        return family_report(PROBE_FAMILY, hybrid=True, kernels_seen=[f"probe model unavailable: {exc}"])
     target = Target(model.to(device), [model.config.num_hidden_layers - 1])
     return target.fast_path_report(probe_on_device=True)
 
@@ -57,16 +51,19 @@ def collect() -> dict[str, Any]:
     info["gpus"] = gpus
     info["distributed_backends"] = {"gloo": torch.distributed.is_gloo_available(),
                                     "nccl": torch.distributed.is_nccl_available()}
-    fla, conv = kernels_importable()
-    info["flash_linear_attention"] = fla
-    info["causal_conv1d"] = conv
+    kernels = all_kernels()  # every package some family's fast path needs
+    importable = kernels_importable(kernels)
+    for package in kernels:
+        info[package.key] = importable[package.name]
+    info["kernels"] = importable
+    have_all = all(importable.values())
     if torch.cuda.is_available():
         report = probe_fast_path(torch.device("cuda", 0))
         info["fast_path"] = report.fast
         info["fast_path_detail"] = report.describe()
     else:
-        info["fast_path"] = fla and conv
-        info["fast_path_detail"] = ("no GPU: kernels " + ("importable" if fla and conv else "missing")
+        info["fast_path"] = have_all
+        info["fast_path_detail"] = ("no GPU: kernels " + ("importable" if have_all else "missing")
                                     + "; the CUDA kernels cannot be exercised here")
     return info
 
@@ -83,7 +80,6 @@ def render(info: dict[str, Any]) -> str:
     else:
         lines.append("GPUs: none visible")
     lines.append(f"distributed backends: {info['distributed_backends']}")
-    lines.append(f"flash-linear-attention: {'yes' if info['flash_linear_attention'] else 'no'}; "
-                 f"causal-conv1d: {'yes' if info['causal_conv1d'] else 'no'}")
+    lines.append("; ".join(f"{name}: {'yes' if ok else 'no'}" for name, ok in info["kernels"].items()))
     lines.append(f"hybrid fast path: {'YES' if info['fast_path'] else 'NO'} ({info['fast_path_detail']})")
     return "\n".join(lines)

@@ -13,14 +13,12 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from dflash.checkpoint import CheckpointManager
 from dflash.errors import BadInput
 from dflash.fileio import raise_if_full
 from dflash.models.drafter import Drafter
+from dflash.models.target import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "modeling_dflash.py"
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 

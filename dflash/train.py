@@ -296,10 +296,10 @@ class Trainer:
 
     def _build_drafter(self) -> None:
         c = self.config
-        from dflash.models.target import target_config
+        from dflash.models.target import target_config, text_config_of
 
         tcfg = target_config(c.target.path, c.target.random_init)
-        text_cfg = getattr(tcfg, "text_config", None) or tcfg
+        text_cfg = text_config_of(tcfg)
         vocab = self.target.vocab_size if self.target is not None else text_cfg.vocab_size
         if c.drafter.init_from:  # must agree with this config: what it trains is the config's drafter
             from dflash.export import load_init_drafter

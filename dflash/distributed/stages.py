@@ -49,7 +49,7 @@ class TargetStage(nn.Module):
         super().__init__()
         text_config = text_config_of(model.config)
         self.hidden_size = int(text_config.hidden_size)
-        name, layers = find_layers(model, int(text_config.num_hidden_layers))
+        name, layers = find_layers(model)
         owner, _, leaf = name.rpartition(".")
         self.backbone = model.get_submodule(owner) if owner else model
         setattr(self.backbone, leaf, nn.ModuleList(list(layers)[start:stop]))  # the other layers are freed

@@ -25,6 +25,7 @@ from dflash.errors import BadInput, ConfigError
 from dflash.fileio import file_mode
 from dflash.logs import get_logger
 from dflash.models.attention import AttentionBackend, LayerMask
+from dflash.models.families import family_of, text_config_of
 from dflash.models.target import check_rope, rope_of
 
 log = get_logger(__name__)
@@ -467,7 +468,7 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
                      num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                      layer_types: list[str] | None = None, sliding_window: int | None = None,
                      ) -> DrafterArch:
-    tc = getattr(target_config, "text_config", None) or target_config
+    family, tc = family_of(target_config), text_config_of(target_config)
     heads = num_attention_heads or tc.num_attention_heads
     hidden = tc.hidden_size
     head_dim = getattr(tc, "head_dim", None) or hidden // tc.num_attention_heads
@@ -476,7 +477,7 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
     rope = rope_of(tc)
     check_rope(rope)
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    theta = theta or getattr(tc, "rope_theta", None) or 1_000_000.0
+    theta = theta or family.default(tc, "rope_theta")
     return DrafterArch(
         hidden_size=hidden,
         intermediate_size=intermediate_size or tc.intermediate_size,
@@ -488,9 +489,9 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
         block_size=block_size,
         target_layer_ids=list(layer_ids),
         mask_token_id=mask_token_id,
-        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rms_norm_eps=family.default(tc, "rms_norm_eps"),
         rope_theta=float(theta),
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 40960),
+        max_position_embeddings=family.default(tc, "max_position_embeddings"),
         num_target_layers=tc.num_hidden_layers,
         layer_types=list(layer_types) if layer_types else None,
         sliding_window=sliding_window,

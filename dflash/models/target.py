@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from dflash.errors import BadInput
+from dflash.models.families import Family, family_of, kernels_importable, text_config_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,13 +22,14 @@ class StopForward(Exception):
 
 @dataclass
 class FastPathReport:
-    """Whether a hybrid target's GatedDeltaNet layers run on the fast kernels."""
+    """Whether a hybrid target's fast-kernel mixers (GatedDeltaNet layers) run on the fast kernels."""
 
     hybrid: bool
     linear_layers: int = 0
     total_layers: int = 0
-    fla_importable: bool = False
-    causal_conv1d_importable: bool = False
+    packages: dict[str, bool] = field(default_factory=dict)  # kernels package -> importable
+    install: list[str] = field(default_factory=list)  # how to install each of `packages`
+    mixers: list[str] = field(default_factory=list)  # the mixers that need them (e.g. GatedDeltaNet)
     kernels_seen: list[str] = field(default_factory=list)  # CUDA kernel names observed in one forward
     checked_on_device: bool = False
 
@@ -36,44 +37,24 @@ class FastPathReport:
     def fast(self) -> bool:
         if not self.hybrid:
             return True
-        if not (self.fla_importable and self.causal_conv1d_importable):
+        if not all(self.packages.values()):
             return False
         return not self.checked_on_device or bool(self.kernels_seen)
 
     def describe(self) -> str:
         if not self.hybrid:
             return "dense target: no linear-attention kernels needed"
-        parts = [
-            f"{self.linear_layers} of {self.total_layers} layers are GatedDeltaNet",
-            f"flash-linear-attention {'importable' if self.fla_importable else 'MISSING'}",
-            f"causal-conv1d {'importable' if self.causal_conv1d_importable else 'MISSING'}",
-        ]
+        parts = [f"{self.linear_layers} of {self.total_layers} layers are {' / '.join(self.mixers) or 'fast-kernel mixers'}"]
+        parts += [f"{name} {'importable' if ok else 'MISSING'}" for name, ok in self.packages.items()]
         if self.checked_on_device:
             parts.append("fast kernels ran: " + (", ".join(self.kernels_seen) or "none"))
         parts.append("FAST path" if self.fast else "SLOW reference PyTorch path")
         return "; ".join(parts)
 
 
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def kernels_importable() -> tuple[bool, bool]:
-    return _importable("fla"), _importable("causal_conv1d")
-
-
-def find_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            return name, module
-    raise BadInput(f"cannot find the decoder layer list ({num_layers} layers) in {type(model).__name__}")
-
-
-def text_config_of(config: Any) -> Any:
-    return getattr(config, "text_config", None) or config
+def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(path, decoder layer list) of a causal LM, where its family keeps it (dflash.models.families)."""
+    return family_of(model.config).decoder_layers(model)
 
 
 class Target(nn.Module):
@@ -90,7 +71,7 @@ class Target(nn.Module):
         self.num_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(text_config.hidden_size)
         self.layer_ids = sorted(layer_ids)
-        layers_name, self.layers = find_layers(model, self.num_layers)
+        layers_name, self.layers = find_layers(model)
         owner_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
         self.backbone = model.get_submodule(owner_name) if owner_name else model
         self._captured: dict[int, torch.Tensor] = {}
@@ -167,42 +148,47 @@ class Target(nn.Module):
 
 
 def linear_attention_layers(model: nn.Module) -> int:
-    return sum(1 for m in model.modules() if "GatedDeltaNet" in type(m).__name__)
+    """The mixers of `model` (a target, or a stage's part of one) whose fast path needs kernels packages."""
+    return family_of(model.config).fast_path_modules(model)
+
+
+def family_report(family: Family, **fields: Any) -> FastPathReport:
+    """A report on `family`'s fast-path needs: its kernels packages (checked for import now) and mixers."""
+    return FastPathReport(packages=kernels_importable(family.kernels),
+                          install=[k.install_hint for k in family.kernels],
+                          mixers=[m.module for m in family.fast_mixers if m.module], **fields)
 
 
 def fast_path_report(model: nn.Module, total_layers: int, probe=None) -> FastPathReport:
-    """Whether `model`'s GatedDeltaNet layers (all of a target, or a stage's) run on the fast kernels;
+    """Whether `model`'s fast-kernel mixers (all of a target's, or a stage's) run on the fast kernels;
     `probe()` runs one small forward of it, profiled on CUDA to see the kernels (None: import check only)."""
-    linear = linear_attention_layers(model)
-    fla_ok, conv_ok = kernels_importable()
-    report = FastPathReport(hybrid=linear > 0, linear_layers=linear, total_layers=total_layers,
-                            fla_importable=fla_ok, causal_conv1d_importable=conv_ok)
+    family = family_of(model.config)
+    linear = family.fast_path_modules(model)
+    report = family_report(family, hybrid=linear > 0, linear_layers=linear, total_layers=total_layers)
     device = next(model.parameters()).device
     if report.hybrid and probe is not None and device.type == "cuda":
-        report.kernels_seen = _probe_kernels(probe, device)
+        report.kernels_seen = _probe_kernels(probe, device, family.kernel_names)
         report.checked_on_device = True
     return report
 
 
-def _probe_kernels(probe, device: torch.device) -> list[str]:
-    """Run `probe()` under the profiler and list the fast linear-attention kernels that ran."""
+def _probe_kernels(probe, device: torch.device, wanted: tuple[str, ...]) -> list[str]:
+    """Run `probe()` under the profiler and list the fast kernels (names containing one of `wanted`) that ran."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         probe()
         torch.cuda.synchronize(device)
     names = {evt.key for evt in prof.key_averages()}
-    wanted = ("chunk_gated_delta", "causal_conv1d", "fused_recurrent", "chunk_fwd", "conv1d_fwd")
     return sorted({n for n in names if any(w in n.lower() for w in wanted)})[:8]
 
 
 def require_fast_path(report: FastPathReport, device: torch.device, allow_slow_path: bool) -> None:
     """A GPU run refuses a hybrid target (or stage) on the slow PyTorch path unless target.allow_slow_path."""
     if device.type == "cuda" and not report.fast and not allow_slow_path:
-        raise BadInput("the hybrid target would run on the slow PyTorch path (" + report.describe() + "); "
-                       "install flash-linear-attention and causal-conv1d (the `kernels` role, or "
-                       "`pip install dflash-trainer[gpu]` + a causal-conv1d build) or set "
-                       "target.allow_slow_path=true")
+        raise BadInput(f"the hybrid target would run on the slow PyTorch path ({report.describe()}); install "
+                       f"{' and '.join(report.packages)} (the `kernels` role, or {' + '.join(report.install)}) "
+                       "or set target.allow_slow_path=true")
 
 
 def _one_line(exc: BaseException, limit: int = 400) -> str:
@@ -240,7 +226,7 @@ def target_config(path: str | None, random_init: dict[str, Any] | None) -> Any:
         except (KeyError, ValueError, TypeError) as exc:
             raise BadInput(f"target.random_init: transformers cannot build a '{model_type}' config: "
                            f"{_one_line(exc)}") from None
-        check_rope(rope_of(config))
+        check_family(config)
         return config
     p = Path(str(path))
     if not p.is_dir():
@@ -257,8 +243,15 @@ def target_config(path: str | None, random_init: dict[str, Any] | None) -> Any:
     if "DFlashDraftModel" in (getattr(config, "architectures", None) or []):
         raise BadInput(f"target.path '{path}' is a DFlash drafter, not a target model; point target.path at the "
                        "target (e.g. a Qwen3-8B directory) and the drafter at drafter.init_from")
-    check_rope(rope_of(config))
+    check_family(config)
     return config
+
+
+def check_family(config: Any) -> None:
+    """A target config dflash can train for: a family of the table, its layers' mixer kinds declared there,
+    plain RoPE."""
+    family_of(config).layer_kinds(config)
+    check_rope(rope_of(config))
 
 
 def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: str,

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from dflash.errors import BadInput, DflashError
+from dflash.models.families import text_config_of
 from dflash.regenerate.attention import grouped_query_decoding
 from dflash.regenerate.core import Progress, Reply, SamplingParams, derive_seed
 
@@ -23,11 +24,6 @@ CACHE_LEN_MULTIPLE = 256  # static caches are sized per batch, rounded up: few d
 BATCHING_MODES = ("static", "refill", "continuous")
 REFILL_FRACTION = 0.5  # batching="refill": a batch is refilled once this share of its rows has finished
 COMPILED_WIDTH_MULTIPLE = 64  # compiled decoding: prompt widths padded to a multiple (few distinct shapes)
-
-
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else (getattr(config, "text_config", None) or config)
 
 
 def stop_token_ids(tokenizer, model=None) -> list[int]:
@@ -146,7 +142,7 @@ class TransformersBackend:
         self.compile = (self.device.type == "cuda") if compile is None else bool(compile)
         self.pad_to_multiple_of = pad_to_multiple_of or (COMPILED_WIDTH_MULTIPLE if self.compile else None)
         self.check_roundtrip = check_roundtrip
-        text_config = _text_config(model.config)
+        text_config = text_config_of(model.config)
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         logits_dim = int(out_emb.weight.shape[0]) if out_emb is not None else int(text_config.vocab_size)
         self.vocab_limit = len(tokenizer)
@@ -161,7 +157,7 @@ class TransformersBackend:
 
     # ----------------------------------------------------------------------------------------- info
     def describe(self) -> dict[str, Any]:
-        cfg = _text_config(self.model.config)
+        cfg = text_config_of(self.model.config)
         return {"backend": self.name, "model_type": getattr(cfg, "model_type", None),
                 "model_class": type(self.model).__name__, "dtype": str(next(self.model.parameters()).dtype),
                 "device": str(self.device), "batching": self.batching, "batch_size": self.batch_size,
