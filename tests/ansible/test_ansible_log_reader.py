@@ -7,7 +7,13 @@ from __future__ import annotations
 import os
 
 import pytest
-from ansible.module_utils.dflash_host import UnsafeFile, read_lines, render_lines, tail_lines, tail_lines_checked
+from ansible.module_utils.dflash_host import (
+    UnsafeFile,
+    read_lines,
+    render_lines,
+    tail_lines,
+    tail_lines_checked,
+)
 from ansible.module_utils.dflash_logs import read_log
 
 # A tqdm bar as a log file holds it: every redraw starts with "\r", the bar ends its line when done; a
