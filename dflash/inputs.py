@@ -93,11 +93,11 @@ def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, ne
 
     need_train=False (evaluation): only the held-out set is built; the first element is None."""
     d = config.data
-    if d.regenerate is not None:
-        from dflash.regenerate.run_data import regenerated
     if d.regenerate is not None and target is None:
         raise BadInput("data.regenerate needs the target in this process (colocated ranks); regenerate the data "
                        "with `dflash regenerate` and set data.train_path instead")
+    if d.regenerate is not None:  # every split is answered by the target first (dflash/regenerate/run_data.py)
+        from dflash.regenerate.run_data import regenerated
     train = evalset = None
     if d.synthetic is not None:
         from dflash.data.synthetic import generate_conversations
