@@ -165,10 +165,17 @@ def run_regenerate(args: argparse.Namespace) -> int:
     stop.install()
     with logs.stream("stderr"):
         check_args(args)
-        if args.nproc > 1 and not torchrun.under_torchrun():
-            read_conversations(args.input)  # bad input: exit 2 here, before any process starts
-            return launch_ranks(args)
-        return run_rank(args)
+        if not torchrun.under_torchrun():
+            if args.nproc > 1:
+                read_conversations(args.input)  # bad input: exit 2 here, before any process starts
+                return launch_ranks(args)
+            return run_rank(args)
+        try:
+            return run_rank(args)
+        finally:
+            # a worker's work is over: torchrun's SIGTERM to the other ranks once one has ended must not turn
+            # their exit (0, or 1 after a stop) into death by signal
+            stop.finished()
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -228,8 +235,8 @@ def run_rank(args: argparse.Namespace) -> int:
                                   rows_in_file, started, world_size)
     except stop.Stopped as stopped:
         done = sum(parts.done(i) for i in range(math.ceil(len(conversations) / args.shard_size)))
-        log.warning(f"stopped by signal {stopped.signum}: {done} shards are complete in {parts.dir}; rerun the "
-                    "same command to resume", extra=EVERY_RANK)
+        log.warning(f"{f'rank {rank}: ' if world_size > 1 else ''}stopped by signal {stopped.signum}: {done} shards "
+                    f"are complete in {parts.dir}; rerun the same command to resume", extra=EVERY_RANK)
         return 1
     c = manifest["counts"]
     print(f"regenerated {c['regenerated_turns']} answers in {c['written']} conversations "
