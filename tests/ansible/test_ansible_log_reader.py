@@ -68,3 +68,20 @@ def test_missing_unsafe_and_special_files(tmp_path):
     os.mkfifo(tmp_path / "fifo.log")  # never waited on
     assert tail_lines_checked(str(tmp_path / "fifo.log"), 5) == (None, "is not a regular file (fifo)")
     assert tail_lines_checked(str(tmp_path), 5) == (None, "is not a regular file (directory)")
+
+
+def test_the_units_crash_loop_message_and_the_stack_reader_use_the_same_reader(tmp_path):
+    from ansible.module_utils.dflash_stacks import read_stacks
+    from ansible.module_utils.dflash_unit import crash_loop_message
+
+    log = tmp_path / "job.log"
+    log.write_bytes(BAR)
+    message = crash_loop_message({"name": "job", "log_path": str(log)}, {"restarts": 3, "result": "exit-code"})
+    assert message.endswith("\n  loading\n  100%|##########| 4/4\n  crlf line\n  shards  75%|#######   ")
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    (stacks / "rank-0.txt").write_bytes(  # a dump written with CRLF line ends reads as the plain one
+        b"# dflash stacks: rank 0 pid 7 started 2026-01-01T00:00:00\r\n"
+        b'Current thread 0x00007f (most recent call first):\r\n  File "/x/train.py", line 5 in step\r\n')
+    found = read_stacks(str(tmp_path))
+    assert found[0]["frames"] == ["step (train.py:5)"]
