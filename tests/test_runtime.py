@@ -15,7 +15,8 @@ from dflash import logs, stop, torchrun
 
 @pytest.fixture(autouse=True)
 def restore_handlers():
-    saved = {s: signal.getsignal(s) for s in stop.SIGNALS}
+    # the launcher also passes SIGUSR1 and SIGABRT on to its workers (dflash/stacks.py): put those back too
+    saved = {s: signal.getsignal(s) for s in (*stop.SIGNALS, signal.SIGUSR1, signal.SIGABRT)}
     for s in stop.SIGNALS:  # a fresh process's state, whatever earlier tests in this one left installed
         signal.signal(s, signal.SIG_DFL)
     yield
