@@ -1,19 +1,21 @@
 """The run's inputs, built once per process: tokenizer, datasets, tapped layer ids, batching and schedule.
 
+The tokenizer comes from dflash/data/tokenizer.py (shared with `eval` and `regenerate`); with data.regenerate
+the datasets are first answered by the run's target (dflash/regenerate/run_data.py).
+
 A drafter rank (colocated or fed by target ranks) and a target rank build the same `RunInputs` from the
 config, so both sides cut the same batches in the same order (`sampler`) and agree on the number of steps.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.config import RunConfig, resolved_layer_ids
 from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet, load_tokenized, tokenize_conversations
+from dflash.data.tokenizer import load_tokenizer, load_tokenizer_dir
 from dflash.errors import BadInput, DataError
 from dflash.logs import get_logger
 from dflash.models.target import Target, num_layers_of
@@ -85,31 +87,6 @@ def build_run_inputs(config: RunConfig, target: Target | None = None, layer_ids:
     return RunInputs(c, tokenizer, train_set, eval_set, layer_ids)
 
 
-def load_tokenizer(config: RunConfig):
-    if config.tokenizer.synthetic_vocab_size is not None:
-        from dflash.data.synthetic import build_tokenizer
-
-        return build_tokenizer(config.tokenizer.synthetic_vocab_size)
-    path = config.tokenizer.path or config.target.path
-    if path is None:
-        raise BadInput("tokenizer: set tokenizer.path (a local tokenizer directory) or "
-                       "tokenizer.synthetic_vocab_size (random-weight targets have no tokenizer of their own)")
-    return load_tokenizer_dir(path)
-
-
-def load_tokenizer_dir(path: str):
-    """A local tokenizer directory with a chat template (data and prompts are rendered with it)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"tokenizer '{path}' could not be loaded: {exc}") from None
-    if not getattr(tok, "chat_template", None):
-        raise BadInput(f"tokenizer '{path}' has no chat template; training data and prompts are rendered with it")
-    return tok
-
-
 def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, need_train: bool = True
                   ) -> tuple[TokenizedSet | None, TokenizedSet | None]:
     """Train and held-out sets; with data.regenerate, their assistant turns are the target's own answers.
@@ -119,6 +96,8 @@ def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, ne
     if d.regenerate is not None and target is None:
         raise BadInput("data.regenerate needs the target in this process (colocated ranks); regenerate the data "
                        "with `dflash regenerate` and set data.train_path instead")
+    if d.regenerate is not None:  # every split is answered by the target first (dflash/regenerate/run_data.py)
+        from dflash.regenerate.run_data import regenerated
     train = evalset = None
     if d.synthetic is not None:
         from dflash.data.synthetic import generate_conversations
@@ -157,50 +136,6 @@ def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, ne
                         f"tokens ({train.dropped_few_loss_tokens} dropped); lower data.min_loss_tokens or check "
                         "that the data has assistant turns")
     return train, evalset
-
-
-def _regen_path(config: RunConfig, name: str, conversations, tokenizer) -> Path:
-    """A file under output_dir/regenerated/ keyed by everything that decides the answers."""
-    import hashlib
-    import json
-
-    from dflash.data.chat import tokenizer_fingerprint
-
-    key = json.dumps([config.target.path, config.target.random_init, config.target.dtype, config.seed,
-                      dataclasses.asdict(config.data.regenerate), tokenizer_fingerprint(tokenizer),
-                      conversations], sort_keys=True, default=str)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return Path(config.output_dir) / "regenerated" / f"{Path(name).stem}-{digest}.jsonl"
-
-
-def regenerated(config: RunConfig, name: str, conversations, tokenizer, target: Target) -> tuple[list, Path]:
-    """The conversations with every assistant turn answered by the target, and the JSONL file that holds them
-    under output_dir/regenerated/ (reused across restarts while target, tokenizer, settings and prompts match)."""
-    from dflash.data.chat import read_jsonl
-    from dflash.data.synthetic import write_jsonl
-
-    if len(tokenizer) > target.vocab_size:
-        raise BadInput(f"token ids up to {len(tokenizer) - 1} (the tokenizer's) are outside the target's embedding "
-                       f"table ({target.vocab_size}); the tokenizer does not belong to this target")
-    path = _regen_path(config, name, conversations, tokenizer)
-    if path.is_file():
-        return read_jsonl(path), path
-    from dflash.regenerate import SamplingParams, TransformersBackend, regenerate_conversations
-
-    r = config.data.regenerate
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                            seed=config.seed, thinking=r.thinking)
-    t0 = time.time()
-    backend = TransformersBackend(target.model, tokenizer, batch_size=r.batch_size)
-    with target.capture_all():  # the whole forward (the tapping hooks must not stop it)
-        out, stats = regenerate_conversations(conversations, backend, params)
-    kept = [conv for conv in out if conv is not None]
-    if not kept:
-        raise DataError(f"regeneration of {name} produced no conversation (all prompts skipped as too long?)")
-    write_jsonl(path, [{"messages": conv} for conv in kept])
-    log.info("regenerated %s: %s", name, stats.to_dict())
-    log.info(f"regenerated {len(kept)} {name} answers with the target in {time.time() - t0:.1f}s -> {path}")
-    return kept, path
 
 
 def check_token_range(dataset: TokenizedSet, vocab_size: int) -> None:

@@ -1,31 +1,31 @@
-"""Run training in this process, or start torchrun (one process per GPU) when the topology has more ranks.
+"""`dflash train`: run training in this process, or start torchrun (one process per GPU) when the topology has
+more ranks.
 
 `dflash train CONFIG` is the one command in every case:
 * one rank -> trains here;
 * several ranks -> this process validates the config and the GPUs, starts `python -m torch.distributed.run`
-  running `dflash train CONFIG` per rank, forwards SIGTERM to the workers and returns torchrun's verdict;
+  running `dflash train CONFIG` per rank through the one torchrun launcher (dflash/torchrun.py, which passes
+  a stop signal on to the workers) and returns the verdict: the failure class of the rank that failed first;
 * started by torchrun (ours or an external one: LOCAL_RANK and WORLD_SIZE set) -> runs this rank.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
+from dflash import torchrun
 from dflash.config import RunConfig
 from dflash.logs import get_logger
+from dflash.torchrun import hard_exit, under_torchrun
 
 log = get_logger(__name__)  # stdout lines; a failure's one-line error goes to stderr
 
 # Rendezvous settings from the environment win over the config (one config file, one unit per node).
 RENDEZVOUS_ENV = {"DFLASH_NNODES": "nnodes", "DFLASH_NODE_RANK": "node_rank", "DFLASH_MASTER_ADDR": "master_addr",
                   "DFLASH_MASTER_PORT": "master_port"}
-WORKER_SHUTDOWN_S = 30  # torchrun: SIGTERM -> SIGKILL of the other workers after one of them failed
 
 
 def apply_rendezvous_env(config: RunConfig) -> None:
@@ -44,11 +44,6 @@ def apply_rendezvous_env(config: RunConfig) -> None:
                     raise BadInput(f"{env}={raw!r} is not an integer") from None
             setattr(config.topology, key, value)
     validate_topology(config.topology)
-
-
-def under_torchrun() -> bool:
-    """True in a worker started by torchrun (ours or an external one)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> int:
@@ -105,19 +100,13 @@ def _run_worker(config: RunConfig) -> int:
             print(f"dflash: error: {message}", file=sys.stderr, flush=True)
         failures.write_rank_failure(config.output_dir, int(os.environ.get("RANK", "0")), cls,
                                     message.splitlines()[0] if message else cls)
-        _hard_exit(failures.EXIT_CODES[cls])
+        hard_exit(failures.EXIT_CODES[cls])
     if result is not None:
         _print_done(result)
     # Success exits hard too: every file is written and synced by now, and a normal interpreter teardown
     # of a torch.distributed worker can abort in C++ ("terminate called without an active exception").
-    _hard_exit(0)
+    hard_exit(0)
     return 0
-
-
-def _hard_exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _print_done(result: dict) -> None:
@@ -127,118 +116,42 @@ def _print_done(result: dict) -> None:
 
 def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], nproc_per_node: int) -> list[str]:
     top = config.topology
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
-           "--max-restarts", "0"]
-    if top.nnodes == 1:
-        cmd += ["--standalone"]  # a free local port: no clash with other jobs on this machine
-    else:
+    rendezvous = None  # one node: --standalone
+    if top.nnodes > 1:
         # the c10d TCP store on node 0 at master_addr:master_port, keyed by the run id; the static handler
         # keeps the nodes' ranks as given (c10d's dynamic one orders them by hostname), so rank 0 and the
         # reporter stay on node 0; every node waits for all the others up to timeout_s
         from dflash.multinode import run_id
 
-        cmd += ["--nnodes", str(top.nnodes), "--node-rank", str(top.node_rank), "--rdzv-backend", "static",
-                "--rdzv-endpoint", f"{top.master_addr}:{top.master_port}", "--rdzv-id", run_id(config.output_dir),
-                "--rdzv-conf", f"timeout={top.timeout_s}"]
-    return [*cmd, "-m", "dflash", "train", str(Path(config_path).resolve()), *overrides]
-
-
-def _worker_pids(parent: int) -> list[int]:
-    """Direct children of torchrun (its workers), read from /proc."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # the command name may hold spaces and parentheses: fields after the last ')' are fixed
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _catches(pid: int, signum: int) -> bool:
-    """Whether process `pid` has a handler for `signum` installed (from /proc/PID/status, SigCgt)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return False
+        rendezvous = ["--nnodes", str(top.nnodes), "--node-rank", str(top.node_rank), "--rdzv-backend", "static",
+                      "--rdzv-endpoint", f"{top.master_addr}:{top.master_port}", "--rdzv-id",
+                      run_id(config.output_dir), "--rdzv-conf", f"timeout={top.timeout_s}"]
+    return torchrun.command(nproc_per_node, ["train", str(Path(config_path).resolve()), *overrides], rendezvous)
 
 
 def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], plan) -> int:
-    from dflash import stacks
-    from dflash import stop as signals
+    """The ranks of this node through the one torchrun launcher (dflash/torchrun.py): a stop signal asks them to
+    checkpoint and stop within topology.timeout_s; the exit is the failure class of the rank that failed first."""
+    from dflash import failures
 
     cmd = torchrun_command(config, config_path, overrides, plan.nproc_per_node)
     grace = config.topology.timeout_s  # after SIGTERM: time for the ranks to agree, checkpoint and exit
-    stop: dict = {}  # signum, at, signalled (worker pids already told)
-
-    def note(signum: int) -> None:
-        if not stop:
-            stop.update(signum=signum, at=time.monotonic(), signalled=set())
-            print(f"dflash: signal {signum}: asking the ranks to checkpoint and stop (bounded by "
-                  f"topology.timeout_s={grace}s)", file=sys.stderr, flush=True)
-
-    def tell_workers() -> None:
-        # straight to the workers, not torchrun: they stop together at a step boundary and exit 0, so
-        # torchrun exits 0; a worker is told once its handler is installed (before that the signal kills it)
-        for pid in _worker_pids(proc.pid):
-            if pid not in stop["signalled"] and _catches(pid, stop["signum"]):
-                try:
-                    os.kill(pid, stop["signum"])
-                except ProcessLookupError:
-                    pass
-                stop["signalled"].add(pid)
-
-    from dflash import failures
-
     failures.clear_rank_failures(config.output_dir)  # the ranks of this launch record their failures there
     liveness = rank_liveness(config, plan)
     presence = node_presence(config, plan)
-    request = signals.install(note)
-    if request.requested:  # one arrived while this process started up
-        note(request.signum)
+
+    def poll(workers: int) -> None:
+        if liveness is not None:
+            liveness.poll()
+        if presence is not None:
+            presence.poll(workers, liveness)
+
     try:
-        log.info(f"dflash: starting {plan.world_size} ranks ({plan.nproc_per_node} on this node): {' '.join(cmd)}")
-        # torchrun's grace before SIGKILL of the other workers after one failed (also its default)
-        env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(WORKER_SHUTDOWN_S),
-               **(liveness.environment() if liveness else {})}
-        stacks.ignore_for_children()  # torchrun has no SIGUSR1 handler: it inherits SIG_IGN
-        proc = subprocess.Popen(cmd, env=env)
-        stacks.forward(lambda: [p for p in _worker_pids(proc.pid) if _catches(p, stacks.DUMP_SIGNAL)])
-        escalated = 0
-        while True:
-            try:
-                rc = proc.wait(timeout=0.1)  # short: a stop signal is passed on within this time
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if liveness is not None:
-                liveness.poll()
-            if presence is not None:
-                presence.poll(len(_worker_pids(proc.pid)), liveness)
-            if not stop:
-                continue
-            tell_workers()
-            if presence is not None:
-                presence.stopping()
-            waited = time.monotonic() - stop["at"]
-            if escalated == 0 and waited > grace:
-                print("dflash: ranks did not stop in time; terminating torchrun", file=sys.stderr, flush=True)
-                proc.terminate()  # torchrun SIGKILLs its workers after WORKER_SHUTDOWN_S
-                escalated = 1
-            elif escalated == 1 and waited > grace + WORKER_SHUTDOWN_S + 15:
-                for pid in _worker_pids(proc.pid):
-                    _kill(pid)
-                proc.kill()
-                escalated = 2
+        rc = torchrun.run(cmd, grace, what=f"{plan.world_size} ranks ({plan.nproc_per_node} on this node)",
+                          stop_note=f"asking the ranks to checkpoint and stop (bounded by topology.timeout_s={grace}s)",
+                          env=liveness.environment() if liveness else None, poll=poll,
+                          stopping=presence.stopping if presence is not None else None)
     finally:
-        signals.finished()
         if liveness is not None:
             liveness.close()
     lost = presence.finish(rc) if presence is not None else None
@@ -281,10 +194,3 @@ def node_presence(config: RunConfig, plan):
     top = config.topology
     return NodePresence(config.output_dir, top.nnodes, top.node_rank, top.master_addr, top.master_port,
                         plan.nproc_per_node, plan.world_size, top.timeout_s)
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

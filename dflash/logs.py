@@ -1,9 +1,10 @@
-"""The one logger of dflash's training processes: plain lines, rank-aware.
+"""The one logger of every dflash command (train, regenerate, eval): plain lines, rank-aware.
 
 Every module logs through `get_logger(__name__)` (the `dflash` logger tree); this module gives that tree its
-handler: every line on stdout (the run's log; stderr carries only a failing command's one-line error),
-exactly the message (the health check and the tests read these lines: `step N epoch E loss ...`,
-`resumed from PATH at step N`, `done: step N`).
+handler: every line exactly the message (the health check and the tests read these lines: `step N epoch E
+loss ...`, `resumed from PATH at step N`, `done: step N`), on the command's log stream: stdout for `train`
+(the run's log; stderr carries only a failing command's one-line error), stderr for a command whose stdout
+carries its result (`regenerate`: `stream("stderr")`).
 
 Under torchrun only the reporting rank (drafter rank 0) shows INFO lines, so a line is written once per job;
 a line that belongs to one rank (a target rank's progress, an injected fault) is logged with
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 EVERY_RANK = {"every_rank": True}
 _ROOT = "dflash"
@@ -28,13 +31,19 @@ class _RankFilter(logging.Filter):
         return self.reporter or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
 
 
+STREAMS = ("stdout", "stderr")
+
+
 class _Stdout(logging.Handler):
-    """sys.stdout as it is at each line (pytest swaps it)."""
+    """The log stream (sys.stdout, or sys.stderr after `set_stream`) as it is at each line (pytest swaps it)."""
+
+    stream_name = "stdout"
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
+            stream = getattr(sys, self.stream_name)
+            stream.write(self.format(record) + "\n")
+            stream.flush()
         except Exception:  # noqa: BLE001 - logging must never stop training
             self.handleError(record)
 
@@ -67,10 +76,29 @@ def set_reporter(reporter: bool) -> None:
     _FILTER.reporter = reporter
 
 
+def set_stream(name: str) -> str:
+    """This process's log stream from now on: "stdout" (the default) or "stderr" (a command whose stdout is its
+    result). Returns the previous one."""
+    if name not in STREAMS:
+        raise ValueError(f"log stream {name!r}: expected one of {STREAMS}")
+    previous, _Stdout.stream_name = _Stdout.stream_name, name
+    return previous
+
+
+@contextmanager
+def stream(name: str) -> Iterator[None]:
+    """The log stream is `name` inside the block (a command run in-process, as the tests run the CLI)."""
+    previous = set_stream(name)
+    try:
+        yield
+    finally:
+        set_stream(previous)
+
+
 def get_logger(name: str) -> logging.Logger:
     """The logger of module `name` (a `dflash.*` module), with the rank-aware handler installed."""
     _install()
     return logging.getLogger(name)
 
 
-__all__ = ["EVERY_RANK", "get_logger", "set_reporter"]
+__all__ = ["EVERY_RANK", "STREAMS", "get_logger", "set_reporter", "set_stream", "stream"]

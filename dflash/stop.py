@@ -11,6 +11,9 @@ A stop signal never kills a dflash process mid-work; what it does depends on the
   (STOP credits, distributed/transfer.py);
 * work that a stop may cut short (an eval) calls `check()` between its pieces: it raises `Interrupted` once a
   stop is requested, and the caller skips the rest (a checkpoint never waits for an eval);
+* work that a stop ends at once (`raising()`: a regenerate rank, whose shard in flight is simply redone by the
+  rerun): the signal raises `Stopped` in the main thread, except inside `shielded()` (a shard file being
+  written), which a stop never cuts: it is raised when the write is done;
 * `finished()`: the work is done; a late signal must not turn a clean exit into death by signal (CPython
   restores the default handlers while the interpreter shuts down).
 """
@@ -18,9 +21,18 @@ A stop signal never kills a dflash process mid-work; what it does depends on the
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(BaseException):
+    """A stop signal ended work run under `raising()` (a BaseException: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class StopRequest:
@@ -29,17 +41,26 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.announce: Callable[[int], None] | None = None
+        self.raising = False  # inside `raising()`
+        self.shield = 0  # depth of `shielded()` blocks
+        self.raised = False  # `Stopped` was raised for this request (once)
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
     def __call__(self, signum: int, _frame) -> None:
-        if self.signum is not None:
-            return
-        self.signum = signum
-        if self.announce is not None:
-            self.announce(signum)
+        if self.signum is None:
+            self.signum = signum
+            if self.announce is not None:
+                self.announce(signum)
+        if self.raising and not self.shield:
+            self.raise_stopped()
+
+    def raise_stopped(self) -> None:
+        if not self.raised:
+            self.raised = True
+            raise Stopped(self.signum)
 
 
 _STOP = StopRequest()
@@ -54,6 +75,7 @@ def install(announce: Callable[[int], None] | None = None) -> StopRequest:
     stays requested (start-up latch -> trainer); after `finished()` the state starts afresh."""
     if not _installed():
         _STOP.signum = None
+        _STOP.raised = False
     _STOP.announce = announce
     for s in SIGNALS:
         signal.signal(s, _STOP)
@@ -75,6 +97,37 @@ def check() -> None:
         raise Interrupted(f"signal {_STOP.signum}")
 
 
+@contextmanager
+def raising(announce: Callable[[int], None] | None = None) -> Iterator[StopRequest]:
+    """Work that a stop ends at once: inside the block a stop signal raises `Stopped` in the main thread (a stop
+    already requested, e.g. caught by the start-up `install()`, raises on entry), except inside `shielded()`.
+    The handlers in place before are restored on exit (a command run in-process, as the tests run the CLI)."""
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    request = install(announce)
+    request.raising, request.shield = True, 0
+    try:
+        if request.requested:
+            request.raise_stopped()
+        yield request
+    finally:
+        request.raising = False
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """A write a stop must never cut (a regenerate shard file): under `raising()`, a stop that arrives inside
+    the block is raised as `Stopped` once the block has finished."""
+    _STOP.shield += 1
+    try:
+        yield
+    finally:
+        _STOP.shield -= 1
+    if _STOP.raising and not _STOP.shield and _STOP.requested:
+        _STOP.raise_stopped()
+
+
 def _absorb(_signum, _frame) -> None:
     """A target rank's handler: nothing to do (and a handler, so the launcher sees it is ready)."""
 
@@ -91,4 +144,4 @@ def finished() -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
-__all__ = ["SIGNALS", "StopRequest", "finished", "hold", "install", "requested"]
+__all__ = ["SIGNALS", "StopRequest", "Stopped", "finished", "hold", "install", "raising", "requested", "shielded"]

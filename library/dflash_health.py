@@ -280,7 +280,9 @@ gpu_table:
   returned: success
   type: str
 log_tail:
-  description: The last O(log_lines) lines of the log (on failure, inside RV(msg)).
+  description:
+    - The last O(log_lines) lines of the log (on failure, inside RV(msg)), the line being written included; a
+      progress bar redrawn with carriage returns shows its last state, as in M(dflash_logs) (one reader).
   returned: success
   type: list
   elements: str

@@ -278,28 +278,75 @@ def read_text(path, default=None, limit=READ_LIMIT, follow=False):
     return default if text is None else text
 
 
-def tail_lines_checked(path, count, max_bytes=256 * 1024):
-    """``(the last count lines, None)``; ``(None, None)`` when missing; ``(None, reason)`` when not read."""
-    fd, reason = _open_checked(path)
-    if fd is None:
-        return None, reason
+TAIL_BYTES = 256 * 1024  # a diagnosis tail reads at most this much of a log
+
+
+def render_lines(data):
+    """The lines of a log chunk (bytes) as a terminal left them: split at ``"\n"`` only (``str.splitlines``
+    would also split at ``"\r"``, form feeds and Unicode separators), and of a line a progress bar redrew with
+    carriage returns only its last state (a trailing ``"\r"``, as in CRLF, ends a state, it starts none)."""
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    return [line.rstrip("\r").rsplit("\r", 1)[-1] for line in lines]
+
+
+def read_lines(path, offset=-1, count=40, max_bytes=TAIL_BYTES, partial=False):
+    """The one log reader of the module_utils: ``{path, exists, size, next_offset, lines}``.
+
+    ``offset`` < 0 reads the last ``count`` lines (a tail); else the lines from byte ``offset`` on (a follow;
+    an offset past the end means the log was truncated, so it is read from the start). At most ``max_bytes``
+    per read: a follow catches up over several reads, a tail drops the line its seek cut (unless a carriage
+return after the cut began that line's last state). Lines are whole and
+    ``next_offset`` is just after the last one, so a line being written comes whole with the next read;
+    ``partial`` (a diagnosis, which reads once) also returns that line as it is now (a progress bar that has
+    not ended its line yet). Lines are rendered by ``render_lines``.
+
+    The file is opened as ``open_nofollow`` does: no link another account made is followed, a FIFO or device
+    is never waited on (``UnsafeFile``, an OSError, says what it is); a missing file is ``exists: False``."""
+    out = {"path": path, "exists": False, "size": 0, "next_offset": 0, "lines": []}
     try:
-        size = os.lseek(fd, 0, os.SEEK_END)
-        os.lseek(fd, max(0, size - max_bytes), os.SEEK_SET)
-        data = _read_fd(fd, max_bytes, strict=False)  # a log growing during the read: cut at max_bytes
-    except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+        fd = open_nofollow(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    out["exists"] = True
+    try:
+        size = out["size"] = os.fstat(fd).st_size
+        tail = offset < 0
+        start = max(0, size - max_bytes) if tail else (offset if offset <= size else 0)
+        # One byte before a tail's start tells whether the seek cut a line.
+        os.lseek(fd, max(0, start - 1) if tail else start, os.SEEK_SET)
+        cut = tail and start > 0 and os.read(fd, 1) != b"\n"
+        data = _read_fd(fd, min(max_bytes, size - start), strict=False)  # a log growing meanwhile: cut there
     finally:
         os.close(fd)
-    lines = data.decode("utf-8", errors="replace").splitlines()
-    if size > max_bytes and lines:
-        lines = lines[1:]  # the first line was cut by the seek
-    # Progress bars use carriage returns: keep only the last redraw of each line.
-    lines = [line.rsplit("\r", 1)[-1] for line in lines]
-    return (lines[-count:] if count > 0 else []), None
+    end = data.rfind(b"\n") + 1
+    if end == 0 and len(data) == max_bytes:  # one line longer than a read: return it cut rather than never
+        end = len(data)
+    lines = render_lines(data[:end]) if end else []
+    if lines and lines[-1] == "" and data[:end].endswith(b"\n"):
+        lines.pop()  # the empty string after the last "\n"
+    if partial and end < len(data):
+        lines.append(render_lines(data[end:])[-1])
+    if cut and lines and b"\r" not in data.split(b"\n", 1)[0].rstrip(b"\r"):
+        lines = lines[1:]  # the seek cut it (a line redrawn after the cut still shows its last state whole)
+    out["lines"] = (lines[-count:] if count > 0 else []) if tail else lines
+    out["next_offset"] = start + end
+    return out
 
 
-def tail_lines(path, count, max_bytes=256 * 1024):
+def tail_lines_checked(path, count, max_bytes=TAIL_BYTES):
+    """``(the last count lines, None)``; ``(None, None)`` when missing; ``(None, reason)`` when not read.
+
+    ``read_lines``' tail with the line being written: a diagnosis shows the log as it is now."""
+    try:
+        result = read_lines(path, -1, count, max_bytes, partial=True)
+    except UnsafeFile as exc:
+        return None, exc.reason
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror})"
+    return (result["lines"] if result["exists"] else None), None
+
+
+def tail_lines(path, count, max_bytes=TAIL_BYTES):
     """The last ``count`` lines of a (possibly huge) text file, or None if it is missing or not read."""
     return tail_lines_checked(path, count, max_bytes)[0]
 

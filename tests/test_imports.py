@@ -1,6 +1,7 @@
 """The package's import graph, read from the source (nothing is imported): no module imports another module's
-private name, and no two modules import each other, directly or around a longer cycle (deferred imports
-inside functions count too: a cycle is a cycle wherever the import sits)."""
+private name, no two modules import each other, directly or around a longer cycle, no two packages either,
+and no module imports one of a higher layer (LAYERS). Deferred imports inside functions count too: a cycle
+is a cycle, and a climb a climb, wherever the import sits."""
 
 import ast
 from pathlib import Path
@@ -18,6 +19,33 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+# The layers, lowest first. A module imports modules of its own layer or of lower ones, never of a higher one.
+# An entry names a module ("dflash.config") or every module of a package, its __init__ and its subpackages
+# ("dflash.data.*");
+# the most specific entry wins, so a new module of a listed package has its package's layer, and a new
+# top-level module must be added here (the test says so).
+LAYERS: dict[str, list[str]] = {
+    # errors, files, the logger, the config schema, devices: what everything uses
+    "base": ["dflash", "dflash.errors", "dflash.fileio", "dflash.logs", "dflash.config", "dflash.driver",
+             "dflash.devices"],
+    # data (chat JSONL, tokenizer, buckets, prompts), the models (target, drafter, the target family table) and
+    # how they are compiled (per family), the loss and metrics, checkpoints and export, the speculative
+    # decoding loop
+    "data and models": ["dflash.data.*", "dflash.models.*", "dflash.compile", "dflash.loss", "dflash.metrics",
+                        "dflash.float8", "dflash.flops", "dflash.checkpoint", "dflash.export", "dflash.speculative"],
+    # the process runtime of every command: stop signals, the torchrun launcher, ranks' topology and transfers,
+    # hang evidence, the supervisor's watchdog, failure classes, run records, multi-node presence, the doctor
+    "runtime": ["dflash.stop", "dflash.torchrun", "dflash.distributed.*", "dflash.stacks", "dflash.notify",
+                "dflash.failures", "dflash.observability", "dflash.multinode", "dflash.doctor"],
+    # what the commands run: the trainer and its inputs, its ranks (dflash.distributed's entry point runs
+    # the trainer), evaluation, regeneration
+    "pipelines": ["dflash.inputs", "dflash.train", "dflash.distributed", "dflash.distributed.ranks",
+                  "dflash.evaluate", "dflash.evaluation", "dflash.evaluation.*", "dflash.suites",
+                  "dflash.regenerate.*"],
+    # the command line, `dflash train`'s launch and the operator's client
+    "commands": ["dflash.cli", "dflash.__main__", "dflash.launch", "dflash.ops.*"],
+}
 
 
 def resolve(current: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -48,16 +76,54 @@ def imports_of(name: str) -> list[tuple[str, str | None, int]]:
     return found
 
 
+def imported_modules(name: str) -> list[tuple[str, int]]:
+    """(imported dflash module, line) of every import in module `name` that is an edge of the graph."""
+    found = []
+    for module, _, line in imports_of(name):
+        target = module
+        while target and target not in MODULES:  # `import dflash.x.y` of a name inside a module
+            target = target.rpartition(".")[0]
+        if target and target != name and not name.startswith(target + "."):  # a package's own init is no edge
+            found.append((target, line))
+    return found
+
+
 def graph() -> dict[str, set[str]]:
-    edges: dict[str, set[str]] = {name: set() for name in MODULES}
-    for name in MODULES:
-        for module, _, _ in imports_of(name):
-            target = module
-            while target and target not in MODULES:  # `import dflash.x.y` of a name inside a module
-                target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):  # a package's own init is no edge
-                edges[name].add(target)
-    return edges
+    return {name: {target for target, _ in imported_modules(name)} for name in MODULES}
+
+
+def layer_of(name: str, layers: dict[str, list[str]] = LAYERS) -> str | None:
+    """The layer of module `name`: its own entry, else the entry of its nearest listed package ("pkg.*", which
+    covers the package's own __init__ too)."""
+    entries = {entry: layer for layer, names in layers.items() for entry in names}
+    if name in entries:
+        return entries[name]
+    package = name
+    while package:
+        if f"{package}.*" in entries:
+            return entries[f"{package}.*"]
+        package = package.rpartition(".")[0]
+    return None
+
+
+def climbs(edges: dict[str, set[str]], layers: dict[str, list[str]] = LAYERS) -> list[tuple[str, str]]:
+    """The edges (importer, imported) that go from a lower layer to a higher one."""
+    index = {layer: i for i, layer in enumerate(layers)}
+    return [(a, b) for a in sorted(edges) for b in sorted(edges[a])
+            if index[layer_of(a, layers)] < index[layer_of(b, layers)]]
+
+
+def unit_of(name: str) -> str:
+    """A top-level module is its own unit; the modules of a package (dflash.regenerate.*) are the package's."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else name
+
+
+def unit_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {unit_of(name): set() for name in edges}
+    for a, targets in edges.items():
+        units[unit_of(a)] |= {unit_of(b) for b in targets if unit_of(b) != unit_of(a)}
+    return units
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -96,6 +162,40 @@ def test_the_walk_sees_the_package():
 def test_no_import_cycle():
     cycle = find_cycle(graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_module_has_a_layer():
+    missing = [f"{MODULES[name].relative_to(PACKAGE.parent)} ({name})" for name in MODULES if layer_of(name) is None]
+    assert not missing, ("modules without a layer: " + ", ".join(missing) + "; add each to LAYERS in "
+                         "tests/test_imports.py (its own entry, or its package's 'package.*' entry)")
+
+
+def test_no_import_climbs_to_a_higher_layer():
+    edges = {name: targets for name, targets in graph().items() if layer_of(name) and all(map(layer_of, targets))}
+    offenders = [f"{MODULES[name].relative_to(PACKAGE.parent)}:{line} ({name}, layer {layer_of(name)!r}) imports "
+                 f"{target} (layer {layer_of(target)!r})"
+                 for name, imported in climbs(edges) for target, line in imported_modules(name) if target == imported]
+    assert not offenders, "imports from a lower layer to a higher one (LAYERS, lowest first):\n" + "\n".join(offenders)
+
+
+def test_no_two_way_tie_between_packages():
+    """dflash.inputs -> dflash.regenerate.* and dflash.regenerate.* -> dflash.inputs would be no module cycle, but
+    a two-way tie all the same: packages (and top-level modules) form no cycle either."""
+    cycle = find_cycle(unit_graph(graph()))
+    assert cycle is None, "packages tied both ways: " + " -> ".join(cycle)
+
+
+def test_the_layer_rules_find_climbs_and_units():
+    layers = {"low": ["p.base", "p.pkg.*"], "high": ["p.app", "p.pkg.entry"]}
+    assert layer_of("p.pkg.new", layers) == "low" and layer_of("p.pkg.entry", layers) == "high"
+    assert layer_of("p.pkg", layers) == "low"  # the package's __init__
+    assert layer_of("p.pkg.sub.deeper", layers) == "low" and layer_of("p.other", layers) is None
+    edges = {"p.base": {"p.app"}, "p.app": {"p.pkg.x"}, "p.pkg.x": {"p.pkg.entry"}, "p.pkg.entry": {"p.base"}}
+    assert climbs(edges, layers) == [("p.base", "p.app"), ("p.pkg.x", "p.pkg.entry")]
+    assert unit_of("dflash.regenerate.runner") == "dflash.regenerate" and unit_of("dflash.inputs") == "dflash.inputs"
+    tie = unit_graph({"dflash.inputs": {"dflash.regenerate.run_data"}, "dflash.regenerate.run_data": set(),
+                      "dflash.regenerate.runner": {"dflash.inputs"}})
+    assert find_cycle(tie) == ["dflash.inputs", "dflash.regenerate", "dflash.inputs"]
 
 
 def test_no_private_name_is_imported_from_another_module():

@@ -6,7 +6,8 @@
     conversations, stats = regenerate_conversations(conversations, backend, SamplingParams(max_new_tokens=512))
 
 `dflash regenerate` (dflash.regenerate.runner) adds sharding, resume, ranks, a manifest and the
-OpenAI-compatible server backend (dflash.regenerate.server). See docs/regenerate.md.
+OpenAI-compatible server backend (dflash.regenerate.server); a colocated training run's `data.regenerate`
+goes through dflash.regenerate.run_data. See docs/regenerate.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Progress on stderr: a tqdm bar on a terminal, else one JSON line per interval and per shard."""
+"""Progress on stderr: a tqdm bar on a terminal, else one JSON line per interval and per shard, logged through
+dflash/logs.py (the `regenerate` command's log stream is stderr; each rank reports its own progress)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import sys
 import time
 from typing import Any
 
+from dflash.logs import EVERY_RANK, get_logger
+
+log = get_logger(__name__)
+
 
 class ProgressReporter:
     def __init__(self, total_answers: int, shards_total: int, rank: int = 0, world_size: int = 1,
                  interval_s: float = 10.0, bar: bool | None = None, stream=None):
-        self.stream = stream or sys.stderr
+        self.stream = stream or sys.stderr  # the bar's terminal
         self.total, self.shards_total = total_answers, shards_total
         self.rank, self.world_size = rank, world_size
         self.interval_s = interval_s
@@ -50,12 +55,10 @@ class ProgressReporter:
                 "eta_s": None if eta is None else round(eta, 1)}
 
     def emit(self, event: str, **extra: Any) -> None:
+        """One JSON line (without a bar: the bar shows the same numbers on a terminal)."""
         self._last = time.monotonic()
         record = {"event": f"regenerate_{event}", "rank": self.rank, **self.snapshot(), **extra}
-        if self._bar is not None:
-            self._bar.write(json.dumps(record), file=self.stream)
-        else:
-            print(json.dumps(record), file=self.stream, flush=True)
+        log.info(json.dumps(record), extra=EVERY_RANK)
 
     def shard_done(self, index: int, stats: dict[str, Any]) -> None:
         self.shards_done += 1

@@ -3,9 +3,12 @@
 * The whole input is read and checked first (exit 2 on bad input, nothing written).
 * Shard i = conversations [i*S, (i+1)*S). A finished shard is written atomically into OUTPUT.parts/; a rerun
   with the same input and parameters (OUTPUT.parts/fingerprint.json) skips it. A stop signal loses at most
-  the shard in flight.
+  the shard in flight (dflash/stop.py: `raising()` ends the generation at once, `shielded()` finishes a
+  shard write first).
 * Under torchrun, rank r takes shards i % world_size == r (GPU LOCAL_RANK); rank 0 waits for every shard
-  file, then merges them atomically into OUTPUT and writes OUTPUT.manifest.json.
+  file, then merges them atomically into OUTPUT and writes OUTPUT.manifest.json. `--nproc N` starts those
+  ranks through the one torchrun launcher of every multi-rank command (dflash/torchrun.py).
+* Log lines (dflash/logs.py) go to stderr; stdout carries only the result line.
 """
 
 from __future__ import annotations
@@ -13,18 +16,16 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import logging
 import math
 import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dflash import logs, stop, torchrun
 from dflash.errors import BadInput
+from dflash.logs import EVERY_RANK
 from dflash.regenerate.core import (
     RegenStats,
     SamplingParams,
@@ -35,52 +36,9 @@ from dflash.regenerate.core import (
 from dflash.regenerate.files import FORMAT, Parts, digest, read_conversations, sha256_file, write_json
 from dflash.regenerate.progress import ProgressReporter
 
-log = logging.getLogger(__name__)
+log = logs.get_logger(__name__)
 WAIT_POLL_S = 1.0
-
-
-def say(msg: str) -> None:
-    print(f"dflash regenerate: {msg}", file=sys.stderr, flush=True)
-
-
-class Stopped(BaseException):
-    """A stop signal arrived (SIGTERM/SIGINT)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-class StopGuard:
-    """Turns SIGTERM/SIGINT into `Stopped` in the main thread, but never in the middle of a shard write."""
-
-    def __init__(self) -> None:
-        self.pending: int | None = None
-        self.writing = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopGuard:
-        for s in (signal.SIGTERM, signal.SIGINT):
-            self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-
-    def _handle(self, signum, _frame) -> None:
-        self.pending = signum
-        if not self.writing:
-            raise Stopped(signum)
-
-    def write(self, fn, *args) -> None:
-        self.writing = True
-        try:
-            fn(*args)
-        finally:
-            self.writing = False
-        if self.pending is not None:
-            raise Stopped(self.pending)
+STOP_GRACE_S = 120  # --nproc: after a stop signal, time for the ranks to finish the shard being written and exit
 
 
 # ------------------------------------------------------------------------------------------- setup
@@ -127,15 +85,10 @@ def _check_output_path(output: Path) -> None:
             return
 
 
-def rank_env() -> tuple[int, int]:
-    """(rank, world_size) from torchrun's environment; (0, 1) otherwise. The GPU is LOCAL_RANK's."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 def build_backend(args: argparse.Namespace):
     """(backend, tokenizer, target identity for fingerprint and manifest, default seed)."""
+    from dflash.data.tokenizer import load_tokenizer, load_tokenizer_dir
     from dflash.devices import pick_device
-    from dflash.inputs import load_tokenizer, load_tokenizer_dir
 
     config = None
     tokenizer = None
@@ -207,18 +160,27 @@ def tokenizer_identity(tokenizer) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- main
 def run_regenerate(args: argparse.Namespace) -> int:
-    check_args(args)
-    from dflash.launch import under_torchrun
-
-    if args.nproc > 1 and not under_torchrun():
-        read_conversations(args.input)  # bad input: exit 2 here, before any process starts
-        return launch_ranks(args)
-    return run_rank(args)
+    # first of all: a stop while this process starts up is remembered (dflash/stop.py) and taken over by the
+    # launcher or by the rank's `stop.raising()`
+    stop.install()
+    with logs.stream("stderr"):
+        check_args(args)
+        if not torchrun.under_torchrun():
+            if args.nproc > 1:
+                read_conversations(args.input)  # bad input: exit 2 here, before any process starts
+                return launch_ranks(args)
+            return run_rank(args)
+        try:
+            return run_rank(args)
+        finally:
+            # a worker's work is over: torchrun's SIGTERM to the other ranks once one has ended must not turn
+            # their exit (0, or 1 after a stop) into death by signal
+            stop.finished()
 
 
 def run_rank(args: argparse.Namespace) -> int:
     started = time.time()
-    rank, world_size = rank_env()
+    rank, world_size = torchrun.rank_env()
     conversations, lines = read_conversations(args.input)
     rows_in_file = len(conversations)
     if args.limit is not None:
@@ -226,8 +188,8 @@ def run_rank(args: argparse.Namespace) -> int:
     output = Path(args.output).resolve()
     parts = Parts(output)
 
-    with StopGuard() as guard:
-        try:
+    try:
+        with stop.raising():
             backend, tokenizer, target, default_seed = build_backend(args)
             params = sampling_from_args(args, default_seed)
             if hasattr(backend, "prompt_limit"):
@@ -243,12 +205,12 @@ def run_rank(args: argparse.Namespace) -> int:
             mine = [i for i in range(num_shards) if i % world_size == rank]
             todo = [i for i in mine if not parts.done(i)]
             if len(todo) < len(mine):
-                say(f"rank {rank}: {len(mine) - len(todo)} of its {len(mine)} shards done before, skipped: "
-                    + _ranges([i for i in mine if i not in todo]))
+                log.info(f"rank {rank}: {len(mine) - len(todo)} of its {len(mine)} shards done before, skipped: "
+                         + _ranges([i for i in mine if i not in todo]), extra=EVERY_RANK)
             bounds = {i: (i * args.shard_size, min(len(conversations), (i + 1) * args.shard_size)) for i in todo}
             total = sum(generation_slots(c) for i in todo for c in conversations[bounds[i][0]:bounds[i][1]])
-            say(f"rank {rank}/{world_size}: {len(todo)} shards to regenerate ({total} answers) with "
-                f"{backend.describe().get('backend')}; parts in {parts.dir}")
+            log.info(f"rank {rank}/{world_size}: {len(todo)} shards to regenerate ({total} answers) with "
+                     f"{backend.describe().get('backend')}; parts in {parts.dir}", extra=EVERY_RANK)
             progress = ProgressReporter(total, len(todo), rank, world_size)
             try:
                 for i in todo:
@@ -259,21 +221,23 @@ def run_rank(args: argparse.Namespace) -> int:
                               "written": sum(c is not None for c in out),
                               "skipped_lines": [lines[a + k] for k in stats.skipped_indices],
                               "stats": stats.to_dict(), "finished_at": _now()}
-                    guard.write(parts.write_shard, i, [c for c in out if c is not None], record)
+                    with stop.shielded():  # a stop never cuts a shard write: it is raised once the shard is done
+                        parts.write_shard(i, [c for c in out if c is not None], record)
                     progress.shard_done(i, stats.to_dict())
             finally:
                 progress.close()
             if rank != 0:
-                say(f"rank {rank}: done; rank 0 merges")
+                log.info(f"rank {rank}: done; rank 0 merges", extra=EVERY_RANK)
                 return 0
             _wait_for_shards(parts, num_shards, world_size)
-            manifest = _merge(parts, num_shards, args, params, backend, tokenizer, target, fingerprint, lines,
-                              rows_in_file, started, world_size)
-        except Stopped as stop:
-            done = sum(parts.done(i) for i in range(math.ceil(len(conversations) / args.shard_size)))
-            say(f"stopped by signal {stop.signum}: {done} shards are complete in {parts.dir}; rerun the same "
-                "command to resume")
-            return 1
+            with stop.shielded():  # OUTPUT and its manifest are written together
+                manifest = _merge(parts, num_shards, args, params, backend, tokenizer, target, fingerprint, lines,
+                                  rows_in_file, started, world_size)
+    except stop.Stopped as stopped:
+        done = sum(parts.done(i) for i in range(math.ceil(len(conversations) / args.shard_size)))
+        log.warning(f"{f'rank {rank}: ' if world_size > 1 else ''}stopped by signal {stopped.signum}: {done} shards "
+                    f"are complete in {parts.dir}; rerun the same command to resume", extra=EVERY_RANK)
+        return 1
     c = manifest["counts"]
     print(f"regenerated {c['regenerated_turns']} answers in {c['written']} conversations "
           f"({c['skipped_too_long']} skipped as too long, {c['truncated']} truncated) -> {output}", flush=True)
@@ -300,7 +264,7 @@ def _wait_for_shards(parts: Parts, num_shards: int, world_size: int) -> None:
         if world_size == 1:  # cannot happen: this rank wrote them all
             raise RuntimeError(f"shards {missing[:5]} missing after the run")
         if time.monotonic() - last_note > 60:
-            say(f"rank 0: waiting for {len(missing)} shards of the other ranks ({_ranges(missing)})")
+            log.info(f"rank 0: waiting for {len(missing)} shards of the other ranks ({_ranges(missing)})")
             last_note = time.monotonic()
         time.sleep(WAIT_POLL_S)
 
@@ -349,12 +313,13 @@ def _merge(parts: Parts, num_shards: int, args, params: SamplingParams, backend,
     }
     write_json(parts.output.with_name(parts.output.name + ".manifest.json"), manifest)
     if total.skipped:
-        say(f"{total.skipped} conversations skipped: prompt longer than the limit (input lines in the manifest's "
-            "skipped_lines)")
+        log.info(f"{total.skipped} conversations skipped: prompt longer than the limit (input lines in the "
+                 "manifest's skipped_lines)")
     if total.roundtrip_mismatches:
-        say(f"warning: {total.roundtrip_mismatches} answers do not re-tokenize to the generated ids (see the log)")
+        log.warning(f"warning: {total.roundtrip_mismatches} answers do not re-tokenize to the generated ids (see "
+                    "the log)")
     if not written:
-        say("warning: no conversation was written (every prompt too long?)")
+        log.warning("warning: no conversation was written (every prompt too long?)")
     return manifest
 
 
@@ -362,13 +327,12 @@ def _merge(parts: Parts, num_shards: int, args, params: SamplingParams, backend,
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     from dflash.regenerate.cliargs import to_argv
 
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--max-restarts",
-            "0", "--standalone", "-m", "dflash", "regenerate", *to_argv(args)]
+    return torchrun.command(args.nproc, ["regenerate", *to_argv(args)])
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
-    """`--nproc N`: one process per GPU through torchrun; a stop signal is passed on to torchrun, which
-    stops its workers (each loses at most its shard in flight)."""
+    """`--nproc N`: one process per GPU through the one torchrun launcher (dflash/torchrun.py); a stop signal
+    goes on to each rank, which loses at most its shard in flight."""
     if not args.server:
         import torch
 
@@ -381,34 +345,14 @@ def launch_ranks(args: argparse.Namespace) -> int:
         if on_gpu and args.nproc > torch.cuda.device_count():
             raise BadInput(f"--nproc {args.nproc} but only {torch.cuda.device_count()} GPUs are visible (one "
                            "process per GPU)")
-    cmd = torchrun_command(args)
-    stop: dict[str, int] = {}
-
-    def note(signum, _frame) -> None:
-        if "signum" not in stop:
-            stop["signum"] = signum
-            say(f"signal {signum}: stopping the ranks")
-
-    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        say(f"starting {args.nproc} ranks: {' '.join(cmd)}")
-        proc = subprocess.Popen(cmd, env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})
-        told = False
-        while True:
-            try:
-                rc = proc.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if stop and not told:
-                proc.send_signal(signal.SIGTERM)
-                told = True
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    if stop.requested():
+        log.warning("dflash: stopped by a signal before the ranks were started")
+        return 1
+    rc = torchrun.run(torchrun_command(args), STOP_GRACE_S, what=f"{args.nproc} ranks",
+                      stop_note=f"stopping the ranks after the shards being written (bounded by {STOP_GRACE_S}s)")
     if rc != 0:
-        print(f"dflash: error: regeneration failed or was stopped (torchrun exit {rc}); finished shards are kept: "
-              "rerun the same command to resume", file=sys.stderr, flush=True)
+        log.error(f"dflash: error: regeneration failed or was stopped (torchrun exit {rc}); finished shards are "
+                  "kept: rerun the same command to resume")
         return 1
     return 0
 

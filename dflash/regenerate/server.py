@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import logging
 import queue
 import random
 import threading
@@ -17,9 +16,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from dflash.errors import BadInput, DflashError
+from dflash.logs import get_logger
 from dflash.regenerate.core import Progress, Reply, SamplingParams, derive_seed
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 CONTEXT_ERROR_HINTS = ("maximum context length", "context length", "too long", "max_model_len",
