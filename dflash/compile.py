@@ -26,8 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.models.families import family_of
-
 log = logging.getLogger(__name__)
 
 
@@ -177,7 +175,7 @@ def compile_target_layers(target: Any, mode: str, backend: str | Callable = "ind
     Returns the guard now installed as `target.features`: on a compiler error every layer goes back to
     eager and the same call is answered eagerly."""
     layers = list(target.layers)
-    keep_mixers_eager(layers, family_of(target.model.config).eager_modules)
+    keep_mixers_eager(layers, getattr(target, "eager_mixers", ()))  # its family's (dflash.models.families)
     _allow_recompiles(len(layers))
     _quiet_autotune_candidates(mode)
     compiled = [torch.compile(layer.forward, mode=torch_mode(mode), backend=backend)

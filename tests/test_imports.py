@@ -38,9 +38,9 @@ LAYERS: dict[str, list[str]] = {
     # hang evidence, the supervisor's watchdog, failure classes, run records, multi-node presence, the doctor
     "runtime": ["dflash.stop", "dflash.torchrun", "dflash.distributed.*", "dflash.stacks", "dflash.notify",
                 "dflash.failures", "dflash.observability", "dflash.multinode", "dflash.doctor"],
-    # what the commands run: the trainer and its inputs, its ranks (dflash.distributed's entry point runs
+    # what the commands run: the trainer, its CUDA-graph step and its inputs, its ranks (dflash.distributed's entry point runs
     # the trainer), evaluation, regeneration
-    "pipelines": ["dflash.inputs", "dflash.train", "dflash.distributed", "dflash.distributed.ranks",
+    "pipelines": ["dflash.inputs", "dflash.train", "dflash.step_graph", "dflash.distributed", "dflash.distributed.ranks",
                   "dflash.evaluate", "dflash.evaluation", "dflash.evaluation.*", "dflash.suites",
                   "dflash.regenerate.*"],
     # the command line, `dflash train`'s launch and the operator's client

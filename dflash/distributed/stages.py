@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dflash.errors import BadInput
+from dflash.models.families import family_of
 from dflash.models.target import FastPathReport, StopForward, fast_path_report, find_layers, text_config_of
 
 
@@ -50,6 +51,7 @@ class TargetStage(nn.Module):
         text_config = text_config_of(model.config)
         self.hidden_size = int(text_config.hidden_size)
         name, layers = find_layers(model)
+        self.eager_mixers = family_of(model.config).eager_modules  # kept eager when its layers compile
         owner, _, leaf = name.rpartition(".")
         self.backbone = model.get_submodule(owner) if owner else model
         setattr(self.backbone, leaf, nn.ModuleList(list(layers)[start:stop]))  # the other layers are freed

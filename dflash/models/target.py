@@ -72,6 +72,7 @@ class Target(nn.Module):
         self.hidden_size = int(text_config.hidden_size)
         self.layer_ids = sorted(layer_ids)
         layers_name, self.layers = find_layers(model)
+        self.eager_mixers = family_of(model.config).eager_modules  # kept eager when its layers compile
         owner_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
         self.backbone = model.get_submodule(owner_name) if owner_name else model
         self._captured: dict[int, torch.Tensor] = {}
