@@ -41,6 +41,9 @@ from ansible.utils.vars import merge_hash
 
 display = Display()
 
+# How often the task is checked at most, in seconds (a task that ends is noticed within this; each check runs
+# async_status on the target).
+CHECK_MAX = 3.0
 # How much of the log's end is read each time (a pip log is verbose; its newest matching line is near the end).
 TAIL_BYTES = 65536
 MARK = "--dflash-wait-heartbeat--"
@@ -147,7 +150,7 @@ class ActionModule(ActionBase):
 
         start = time.monotonic()
         next_line = start + args["interval"]
-        # Checked soon at first (a task that is nearly done ends the wait early), then once per line.
+        # Checked soon at first (a task that is nearly done ends the wait early), then every CHECK_MAX seconds.
         check_every = 1.0
         previous_size = None
         if command:
@@ -173,4 +176,4 @@ class ActionModule(ActionBase):
                 while next_line <= time.monotonic():
                     next_line += args["interval"]
             time.sleep(max(0.0, min(check_every, next_line - time.monotonic())))
-            check_every = min(check_every * 2, float(args["interval"]))
+            check_every = min(check_every * 2, CHECK_MAX, float(args["interval"]))

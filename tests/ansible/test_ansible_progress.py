@@ -394,3 +394,28 @@ def test_the_health_windows_waits_show_the_jobs_step_and_log():
         for task in [t for t in _all_tasks(TASKS / path) if "dflash_wait" in t]:
             wait = task["dflash_wait"]
             assert "heartbeat" in wait and "log" in wait and "trains" in wait["what"], task["name"]
+
+
+def test_dflash_ops_reads_a_background_health_check_from_its_wait_and_a_failure_from_the_summary():
+    """A health check run in the background reports through its wait (dflash_wait); the deploy's failure is then
+    a one-line summary (a `fail` task) whose diagnosis is that check's."""
+    from dflash.ops.results import EventCollector
+
+    diagnosis = "dflash job 'j' is NOT healthy (crashed) after 3s:\n  - unit: unit failed: exit status 2\nlog x (last 1 lines):\n  | dflash: error: boom"
+    health = {"healthy": False, "state": "crashed", "diagnosis": diagnosis, "failures": [], "step": 4,
+              "checkpoint": "step-00000004", "unit": {"backend": "systemd", "active_state": "failed", "exit_status": 2},
+              "finished": True, "ansible_job_id": "j1.2", "started": True}  # fmt: skip
+    collector = EventCollector()
+    collector.add({"event": "runner_on_ok", "event_data": {"host": "c1", "task": "Start asserting that the trainer trains",
+                   "role": "job", "task_action": "dflash_health", "res": {"ansible_job_id": "j1.2", "started": 1, "finished": 0}}})  # fmt: skip
+    collector.add({"event": "runner_on_ok", "event_data": {"host": "c1", "task": "Wait for proof that the trainer trains",
+                   "role": "job", "resolved_action": "dflash_wait", "res": health}})  # fmt: skip
+    collector.add({"event": "runner_on_failed", "event_data": {"host": "c1", "task": "Assert that the trainer trains", "role": "job",
+                   "task_action": "ansible.builtin.fail",
+                   "res": {"failed": True, "msg": "dflash job j on c1 does not train (crashed): unit failed: exit status 2. The diagnosis is above."}}})  # fmt: skip
+    result = collector.result("train", "train.yml", "inv", "failed", 2)
+    container = result.containers["c1"]
+    assert container.state == "crashed" and container.checkpoint == "step-00000004" and container.exit_status == 2
+    [failure] = result.failures
+    assert failure.task == "job : Assert that the trainer trains" and failure.diagnosis == diagnosis
+    assert "unit: unit failed: exit status 2" in failure.headline
