@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins
+	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins playbooks/action_plugins
 
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=25

@@ -20,6 +20,9 @@ MODULE_UNIT = "dflash_unit"
 MODULE_HEALTH = "dflash_health"
 MODULE_GPU_FACTS = "dflash_gpu_facts"
 MODULE_LOGS = "dflash_logs"
+# A long task run in the background (async) is waited for by `dflash_wait`, whose result is the task's own: a
+# health check's result arrives from it.
+MODULE_WAIT = "dflash_wait"
 
 # Container states. The first seven are dflash_health's (`state`); the others are derived when no
 # health check ran (a deploy that failed earlier, stop.yml) or the host was not reached.
@@ -330,6 +333,8 @@ class EventCollector:
         if kind == "runner_on_failed" and data.get("ignore_errors"):
             return
         module = module_name(data)
+        if module == MODULE_WAIT and "healthy" in res:
+            module = MODULE_HEALTH
         if module == MODULE_UNIT:
             _apply_unit(container, res)
         elif module == MODULE_HEALTH:
@@ -341,7 +346,8 @@ class EventCollector:
         if kind == "runner_on_failed":
             self.failures[host] = TaskFailure(
                 host=host, task=_task_name(data), message=failure_message(res), play=data.get("play"),
-                module=module or None, diagnosis=health_diagnosis(res) if module == MODULE_HEALTH else relayed_diagnosis(res))
+                module=module or None,
+                diagnosis=health_diagnosis(res) if module == MODULE_HEALTH else relayed_diagnosis(res, container))
 
     def result(self, operation: str, playbook: str, inventory: str, status: str, rc: int | None,
                artifact_dir: str | None = None, error: str | None = None, bad_input: bool = False) -> OpsResult:
@@ -422,11 +428,13 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
         container.all_joined, container.lost_node = res.get("all_joined"), res.get("lost_node")
 
 
-def relayed_diagnosis(res: dict[str, Any]) -> str | None:
-    """A health report that another task failed with (the job role fails a deploy whose launch did not train,
-    after its rollback, with the launch's diagnosis or the rollback's report that quotes it)."""
+def relayed_diagnosis(res: dict[str, Any], container: ContainerStatus | None = None) -> str | None:
+    """The health report behind another task's failure: a message that quotes it, else the container's last health
+    check when it failed (the job role prints a failed check's diagnosis once, then fails with a one-line summary)."""
     message = str(res.get("msg") or "")
-    return message if re.search(r"^dflash job '[^']+' is NOT healthy", message, re.MULTILINE) else None
+    if re.search(r"^dflash job '[^']+' is NOT healthy", message, re.MULTILINE):
+        return message
+    return container.diagnosis if container is not None and container.healthy is False else None
 
 
 def health_diagnosis(res: dict[str, Any]) -> str | None:

@@ -119,26 +119,45 @@ def _tasks(path):
 def _prints_a_diagnosis(task):
     printer = task.get("ansible.builtin.fail") or task.get("ansible.builtin.debug") or {}
     msg = str(printer.get("msg", ""))
-    return "diagnosis" in msg or "rollback.txt.j2" in msg
+    return ".diagnosis" in msg or "diagnoses.txt.j2" in msg
 
 
 def test_a_failed_health_checks_diagnosis_is_printed_once():
-    """verify.yml: the health check fails with the diagnosis as its message, and no later task prints it again.
-    launch.yml: the check reports only; one of two exclusive fail tasks prints it (rolled back or not)."""
-    verify = _tasks(TASKS / "verify.yml")
-    [check] = [t for t in verify if "dflash_health" in t]
-    assert check["dflash_health"].get("fail_on_unhealthy", True) is True
-    assert not [t["name"] for t in verify if _prints_a_diagnosis(t)]
-    summary = (ROOT / "roles" / "job" / "templates" / "summary.txt.j2").read_text()
-    assert "diagnosis" not in summary
+    """A failed task prints its message twice (the error and the result): the health checks only report, one debug
+    task prints the diagnosis, and the failure that follows is a summary (unhealthy.txt.j2, rollback.txt.j2)."""
+    for path, printers_expected in (("verify.yml", 1), ("launch.yml", 2)):
+        tasks = _tasks(TASKS / path)
+        assert all(t["dflash_health"].get("fail_on_unhealthy") is False for t in tasks if "dflash_health" in t)
+        printers = [t for t in tasks if _prints_a_diagnosis(t)]
+        assert len(printers) == printers_expected and all("ansible.builtin.debug" in t for t in printers), path
+        for fail in [t for t in tasks if "ansible.builtin.fail" in t]:
+            assert "diagnosis" not in fail["ansible.builtin.fail"]["msg"].replace("diagnosis is above", ""), fail["name"]
+    for name in ("unhealthy.txt.j2", "rollback.txt.j2", "summary.txt.j2"):
+        assert "{{ h.diagnosis" not in (ROOT / "roles" / "job" / "templates" / name).read_text(), name
+        assert "diagnosis }}" not in (ROOT / "roles" / "job" / "templates" / name).read_text(), name
     launch = _tasks(TASKS / "launch.yml")
-    assert all(t["dflash_health"].get("fail_on_unhealthy") is False for t in launch if "dflash_health" in t)
-    printers = [t for t in launch if _prints_a_diagnosis(t)]
-    assert len(printers) == 2, [t["name"] for t in printers]
-    no_rollback, rollback = printers
+    no_rollback, rollback = [t for t in launch if _prints_a_diagnosis(t)]
     assert "not _dflash_job_rolling_back | bool" in no_rollback["when"]
     [block] = [t for t in yaml.safe_load((TASKS / "launch.yml").read_text()) if rollback in t.get("block", [])]
     assert block["when"] == "_dflash_job_rolling_back | bool"
+
+
+def test_a_job_that_does_not_train_prints_its_diagnosis_once_and_fails_with_a_summary(tmp_path):
+    """roles/job/tasks/verify.yml on this machine (daemon backend) for a job whose trainer is gone."""
+    name = f"progress-gone-{os.getpid()}"
+    (tmp_path / "job.log").write_text("loading the target\ndflash: error: data.train_path /x does not exist\n")
+    variables = {"dflash_job_name": name, "dflash_job_backend": "daemon", "dflash_job_log_path": str(tmp_path / "job.log"),
+                 "dflash_job_run_dir": str(tmp_path / "run"), "dflash_job_health_timeout": 2,
+                 "dflash_job_health_poll_interval": 1, "_dflash_job_unit_state_dir": str(tmp_path / "unit")}  # fmt: skip
+    proc = run_play(tmp_path, [{"name": "Verify", "ansible.builtin.include_role": {"name": "job", "tasks_from": "verify.yml"},
+                                "vars": variables}], ANSIBLE_ROLES_PATH=str(ROOT / "roles"))  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count(f"dflash job '{name}' is NOT healthy") == 1, out  # the diagnosis' head, once
+    assert out.count("  | loading the target") == 1, out  # its log tail, once
+    [summary] = [line for line in out.splitlines() if line.startswith("[ERROR]: Task failed: Action failed: dflash job ")]
+    assert f"dflash job {name} on localhost does not train (" in summary and "The diagnosis is above." in summary
+    assert "dflash: error: data.train_path /x does not exist" in summary
 
 
 FAKE_BUILD = """#!/bin/sh
@@ -146,6 +165,9 @@ FAKE_BUILD = """#!/bin/sh
 set -eu
 cache="$1"
 [ "$2" = bookworm ] && [ "$4" = "systemd,python3" ] || { echo "bad arguments: $*" >&2; exit 2; }
+echo "I: Retrieving InRelease" > "$cache.log"
+sleep "${FAKE_BUILD_SECONDS:-0}"
+echo "I: Extracting libc6..." >> "$cache.log"
 sleep "${FAKE_BUILD_SECONDS:-0}"
 [ -z "${FAKE_BUILD_FAIL:-}" ] || { echo "debootstrap: E: Failed getting release file" >&2; exit 1; }
 mkdir -p "$cache" && echo "$4" > "$cache/.dflash-rootfs-complete"
@@ -183,9 +205,11 @@ def run_rootfs_build(tmp_path, *args, **env):
 def test_the_rootfs_build_prints_what_it_waits_for_every_10_s_until_it_is_built(tmp_path):
     proc = run_rootfs_build(tmp_path, FAKE_BUILD_SECONDS="12")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    waits = [line for line in proc.stdout.splitlines()
-             if line.startswith("FAILED - RETRYING: [localhost]: Wait for the rootfs build (debootstrap")]
-    assert waits, proc.stdout  # 12 s: at least one line from the wait before it ended
+    waits = [line for line in proc.stdout.splitlines() if line.startswith("[localhost] ")]
+    # 24 s: a line at 10 s (the first log line) and one at 20 s (the second): what it waits for, the log's newest line
+    assert len(waits) >= 2, proc.stdout
+    assert all(" waiting for the rootfs build (debootstrap bookworm): log " in line for line in waits), waits
+    assert waits[0].endswith(": I: Retrieving InRelease") and waits[-1].endswith(": I: Extracting libc6..."), waits
     assert (tmp_path / "cache" / "bookworm" / ".dflash-rootfs-complete").read_text() == "systemd,python3\n"
     assert "changed: [localhost]" in proc.stdout.split("Wait for the rootfs build")[-1]
     again = run_rootfs_build(tmp_path)  # built: the build and its wait are skipped
@@ -203,3 +227,195 @@ def test_check_mode_builds_no_rootfs(tmp_path):
     proc = run_rootfs_build(tmp_path, "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "cache").exists()
+
+
+# --- dflash_wait (playbooks/action_plugins): a background task's wait that says what it waits for ----------------
+
+
+def _load_wait_plugin():
+    import importlib.util
+
+    path = ROOT / "playbooks" / "action_plugins" / "dflash_wait.py"
+    spec = importlib.util.spec_from_file_location("_test_dflash_wait", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_play(tmp_path, tasks, *args, **env):
+    """A play of `tasks` on localhost with the repository's ansible.cfg (its action_plugins)."""
+    import subprocess
+    import sys
+
+    playbook = tmp_path / "play.yml"
+    playbook.write_text(yaml.safe_dump([{"name": "Play", "hosts": "localhost", "connection": "local",
+                                         "gather_facts": False, "tasks": tasks}], sort_keys=False))  # fmt: skip
+    environ = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_PYTHON_INTERPRETER": sys.executable,
+               "ANSIBLE_ASYNC_DIR": str(tmp_path / "async"), "ANSIBLE_NOCOLOR": "1",
+               "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), **env}  # fmt: skip
+    return subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", *args, str(playbook)],
+                          cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def wait_lines(stdout, host="localhost"):
+    return [line for line in stdout.splitlines() if line.startswith(f"[{host}] ")]
+
+
+# A trainer's first steps: one log line and one heartbeat every 4 s, the heartbeat written atomically.
+FAKE_STEPS = """set -eu
+for step in 1 2 3 4 5 6; do
+  echo "step $step epoch 0 loss 3.2100" >> "$LOG"
+  printf '{"step": %d, "status": "training"}' "$step" > "$HB.tmp" && mv "$HB.tmp" "$HB"
+  sleep 4
+done
+echo "trained"
+"""
+
+
+def _background(cmd, register="job", **env):
+    return {"name": "Start it", "ansible.builtin.shell": cmd, "environment": env, "async": 120, "poll": 0,
+            "register": register}  # fmt: skip
+
+
+def test_the_wait_prints_the_step_and_the_logs_growth_every_10_s_until_the_task_ends(tmp_path):
+    log, beat = tmp_path / "job.log", tmp_path / "heartbeat.json"
+    proc = run_play(tmp_path, [
+        _background(FAKE_STEPS, LOG=str(log), HB=str(beat)),
+        {"name": "Wait", "dflash_wait": {"jid": "{{ job.ansible_job_id }}", "what": "proof of training",
+                                         "log": str(log), "heartbeat": str(beat)}, "register": "waited"},
+        {"name": "Show", "ansible.builtin.debug": {"msg": "RESULT {{ waited.finished }} {{ waited.stdout }}"}},
+    ])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = wait_lines(proc.stdout)
+    assert len(lines) >= 2, proc.stdout  # the task runs 24 s: lines while it runs, none after it ended
+    for line in lines:
+        assert " waiting for proof of training: heartbeat step " in line, line
+        # the heartbeat's step and the log's newest line are read together: the same step or the next one
+        step = int(line.split("heartbeat step ")[1].split()[0])
+        assert "(training); log " in line and line.split(": step ")[1].split()[0] in (str(step), str(step + 1)), line
+    assert ", +" in lines[-1]  # the log grew since the line before
+    assert "RESULT True trained" in proc.stdout  # the task's own result is the wait's
+    assert proc.stdout.count("Wait] ***") == 1
+
+
+def test_a_failed_background_task_fails_the_wait_once_with_its_message(tmp_path):
+    proc = run_play(tmp_path, [_background("printf 'dflash: error: %s\\n' 'no such file' >&2; exit 2"),
+                               {"name": "Wait", "dflash_wait": {"jid": "{{ job.ansible_job_id }}", "what": "it"}}])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.count("dflash: error: no such file") == 1, proc.stdout
+    assert "rc: 2" in proc.stdout
+
+
+def test_the_wait_gives_up_after_its_timeout_naming_what_and_the_job(tmp_path):
+    proc = run_play(tmp_path, [_background("sleep 30"),
+                               {"name": "Wait", "dflash_wait": {"jid": "{{ job.ansible_job_id }}",
+                                                                "what": "the slow thing", "timeout": 1}}])  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "gave up waiting for the slow thing after 1s; it goes on in the background on localhost" in proc.stdout
+
+
+def test_a_line_names_a_log_and_a_heartbeat_that_are_not_there_yet():
+    plugin = _load_wait_plugin()
+    progress = plugin.parse_progress(f"{plugin.MARK}\n", heartbeat=True)
+    assert progress == {"size": None, "line": None, "heartbeat": None}
+    assert plugin.describe(progress, None, True, True) == "no heartbeat yet; no log yet"
+
+
+def test_a_line_shows_pips_newest_line_without_its_timestamp_and_the_growth():
+    plugin = _load_wait_plugin()
+    out = "2048\n2026-12-04T01:10:00,123   Downloading tokenizers-0.22.1-cp39-abi3-manylinux.whl (3.3 MB)\n"
+    progress = plugin.parse_progress(out, heartbeat=False)
+    assert progress["size"] == 2048
+    text = plugin.describe(progress, 1024, True, False)
+    assert text == "log 2.0 kB, +1.0 kB: Downloading tokenizers-0.22.1-cp39-abi3-manylinux.whl (3.3 MB)"
+    # a heartbeat being replaced reads as none this time, not as an error
+    torn = plugin.parse_progress(f"10\nstep 3\n{plugin.MARK}\n{{\"step\": 3, \"sta", heartbeat=True)
+    assert torn["heartbeat"] is None and torn["line"] == "step 3"
+
+
+def test_the_progress_command_reads_the_newest_matching_line(tmp_path):
+    import subprocess
+
+    plugin = _load_wait_plugin()
+    log = tmp_path / "pip's log"  # a path with a quote and a space
+    log.write_text("2026-12-04T01:10:00,1 Collecting a\n2026-12-04T01:10:01,1 Created temporary directory\n"
+                   "2026-12-04T01:10:02,1   Downloading a-1.whl (1 kB)\r 50%\n2026-12-04T01:10:03,1 Looking up b\n")
+    pattern = r"^\S+ +(Collecting|Downloading)"
+    out = subprocess.run(["sh", "-c", plugin.progress_command(str(log), pattern, str(tmp_path / "missing.json"))],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    progress = plugin.parse_progress(out, heartbeat=True)
+    assert progress["size"] == log.stat().st_size and progress["heartbeat"] is None
+    assert progress["line"] == "2026-12-04T01:10:02,1   Downloading a-1.whl (1 kB)"
+
+
+# --- the roles' long tasks run in the background, each waited for by dflash_wait ---------------------------------
+
+
+def _all_tasks(path):
+    out = []
+
+    def walk(tasks):
+        for task in tasks or []:
+            out.append(task)
+            for key in ("block", "rescue", "always"):
+                walk(task.get(key))
+
+    walk(yaml.safe_load(path.read_text()))
+    return out
+
+
+@pytest.mark.parametrize("path, module", [
+    ("roles/container/tasks/lxc/rootfs.yml", None),
+    ("roles/venv/tasks/venv.yml", "ansible.builtin.pip"),
+    ("roles/kernels/tasks/fla.yml", "ansible.builtin.pip"),
+    ("roles/kernels/tasks/causal_conv1d.yml", None),
+    ("roles/job/tasks/launch.yml", "dflash_health"),
+    ("roles/job/tasks/verify.yml", "dflash_health"),
+])  # fmt: skip
+def test_every_long_task_runs_in_the_background_and_its_wait_says_what_it_waits_for(path, module):
+    tasks = _all_tasks(ROOT / path)
+    started = [t for t in tasks if t.get("poll") == 0]
+    assert started and all(t.get("register") and t.get("async") for t in started), path
+    waits = [t for t in tasks if "dflash_wait" in t]
+    assert len(waits) == len(started), path
+    for start in started:
+        [wait] = [w for w in waits if w["dflash_wait"]["jid"] == "{{ " + start["register"] + ".ansible_job_id }}"]
+        assert wait["dflash_wait"]["what"] and wait.get("when") == start.get("when"), (path, wait["name"])
+        assert wait["dflash_wait"].get("log"), (path, wait["name"])  # it says what is happening, not only that it waits
+    # no pip install and no health window left in the foreground (a task that prints nothing for minutes); the
+    # health snapshot (timeout 0) and the install of a built wheel (--no-deps, seconds) are quick
+    long_ones = [t["name"] for t in tasks if module and module in t and t.get("poll") != 0
+                 and t[module].get("timeout") != 0 and "--no-deps" not in str(t[module].get("extra_args"))]
+    assert not long_ones, long_ones
+
+
+def test_the_health_windows_waits_show_the_jobs_step_and_log():
+    for path in ("launch.yml", "verify.yml"):
+        for task in [t for t in _all_tasks(TASKS / path) if "dflash_wait" in t]:
+            wait = task["dflash_wait"]
+            assert "heartbeat" in wait and "log" in wait and "trains" in wait["what"], task["name"]
+
+
+def test_dflash_ops_reads_a_background_health_check_from_its_wait_and_a_failure_from_the_summary():
+    """A health check run in the background reports through its wait (dflash_wait); the deploy's failure is then
+    a one-line summary (a `fail` task) whose diagnosis is that check's."""
+    from dflash.ops.results import EventCollector
+
+    diagnosis = "dflash job 'j' is NOT healthy (crashed) after 3s:\n  - unit: unit failed: exit status 2\nlog x (last 1 lines):\n  | dflash: error: boom"
+    health = {"healthy": False, "state": "crashed", "diagnosis": diagnosis, "failures": [], "step": 4,
+              "checkpoint": "step-00000004", "unit": {"backend": "systemd", "active_state": "failed", "exit_status": 2},
+              "finished": True, "ansible_job_id": "j1.2", "started": True}  # fmt: skip
+    collector = EventCollector()
+    collector.add({"event": "runner_on_ok", "event_data": {"host": "c1", "task": "Start asserting that the trainer trains",
+                   "role": "job", "task_action": "dflash_health", "res": {"ansible_job_id": "j1.2", "started": 1, "finished": 0}}})  # fmt: skip
+    collector.add({"event": "runner_on_ok", "event_data": {"host": "c1", "task": "Wait for proof that the trainer trains",
+                   "role": "job", "resolved_action": "dflash_wait", "res": health}})  # fmt: skip
+    collector.add({"event": "runner_on_failed", "event_data": {"host": "c1", "task": "Assert that the trainer trains", "role": "job",
+                   "task_action": "ansible.builtin.fail",
+                   "res": {"failed": True, "msg": "dflash job j on c1 does not train (crashed): unit failed: exit status 2. The diagnosis is above."}}})  # fmt: skip
+    result = collector.result("train", "train.yml", "inv", "failed", 2)
+    container = result.containers["c1"]
+    assert container.state == "crashed" and container.checkpoint == "step-00000004" and container.exit_status == 2
+    [failure] = result.failures
+    assert failure.task == "job : Assert that the trainer trains" and failure.diagnosis == diagnosis
+    assert "unit: unit failed: exit status 2" in failure.headline

@@ -1,0 +1,179 @@
+# Copyright: dflash authors
+# Apache-2.0
+"""dflash_wait: wait for a background task (started with ``async: N, poll: 0``) and say what it waits for.
+
+Ansible prints a task's result only when the task ends, so a long task (debootstrap, pip, a kernel build, the health
+window) sits silent for minutes. Started in the background instead, it is waited for by this action, which prints one
+line every ``interval`` seconds while the task runs::
+
+    [dflash-local] 20s waiting for pip in the container (torch, the trainer's dependencies): Collecting tokenizers<1,>=0.21
+
+The line names what it waits for and what is happening: the newest line of ``log`` that matches ``pattern``, the
+log's growth since the line before, and with ``heartbeat`` the trainer's step and status. The task's own result is
+this task's result (as ``ansible.builtin.async_status`` returns it, ``finished`` true): a failure fails here with the
+task's message, once.
+
+Options:
+  jid (str, required): the ``ansible_job_id`` of the background task.
+  what (str, required): what it waits for, as the operator reads it.
+  log (path): a file on the target whose newest matching line is shown (pip's ``--log``, a job's log).
+  pattern (str): an extended regular expression (``grep -E``) a line of ``log`` must match to be shown; default any
+    non-blank line.
+  heartbeat (path): a JSON file on the target with ``step`` and ``status`` (the trainer's heartbeat).
+  interval (int): seconds between two lines (default 10).
+  timeout (int): seconds to wait at most (default 3600); the task goes on in the background after that.
+
+This file is found next to the playbooks (Ansible loads ``action_plugins/`` beside a playbook) and through
+``action_plugins`` in ansible.cfg for the roles' tasks run on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+
+from ansible.errors import AnsibleActionFail
+from ansible.plugins.action import ActionBase
+from ansible.utils.display import Display
+from ansible.utils.vars import merge_hash
+
+display = Display()
+
+# How often the task is checked at most, in seconds (a task that ends is noticed within this; each check runs
+# async_status on the target).
+CHECK_MAX = 3.0
+# How much of the log's end is read each time (a pip log is verbose; its newest matching line is near the end).
+TAIL_BYTES = 65536
+MARK = "--dflash-wait-heartbeat--"
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def progress_command(log: str | None, pattern: str, heartbeat: str | None) -> str:
+    """One POSIX shell command that prints the log's size and its newest matching line, then the heartbeat file."""
+    parts = []
+    if log:
+        q = shlex.quote(log)
+        parts.append(f"if [ -r {q} ]; then wc -c < {q}; tail -c {TAIL_BYTES} {q} | tr '\\r' '\\n' "
+                     f"| grep -aE -- {shlex.quote(pattern)} | tail -n 1; fi")  # fmt: skip
+    if heartbeat:
+        parts.append(f"echo {MARK}; cat {shlex.quote(heartbeat)} 2>/dev/null")
+    return "; ".join(parts) + "; true"
+
+
+def parse_progress(stdout: str, heartbeat: bool) -> dict:
+    """{'size': int | None, 'line': str | None, 'heartbeat': dict | None} from progress_command's output."""
+    log_part, _, beat_part = stdout.partition(MARK + "\n") if heartbeat else (stdout, "", "")
+    lines = log_part.splitlines()
+    size = int(lines[0].strip()) if lines and lines[0].strip().isdigit() else None
+    line = lines[1].strip() if size is not None and len(lines) > 1 and lines[1].strip() else None
+    beat = None
+    if beat_part.strip():
+        try:
+            beat = json.loads(beat_part)
+        except ValueError:
+            beat = None  # being replaced right now: the next line has it
+    return {"size": size, "line": line, "heartbeat": beat if isinstance(beat, dict) else None}
+
+
+# pip's --log lines start with a timestamp: 2026-12-04T01:10:00,123 Collecting ...
+_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[,.]\d+\s+")
+
+
+def describe(progress: dict, previous_size: int | None, has_log: bool, has_heartbeat: bool) -> str:
+    """What is happening, in one line: the heartbeat's step, the log's growth and its newest line."""
+    parts = []
+    if has_heartbeat:
+        beat = progress["heartbeat"]
+        if beat is None:
+            parts.append("no heartbeat yet")
+        else:
+            parts.append(f"heartbeat step {beat.get('step', '?')} ({beat.get('status', '?')})")
+    if has_log:
+        size = progress["size"]
+        if size is None:
+            parts.append("no log yet")
+        else:
+            grew = "" if previous_size is None else f", +{human_bytes(size - previous_size)}"
+            text = f"log {human_bytes(size)}{grew}"
+            if progress["line"]:
+                line = _TIMESTAMP.sub("", progress["line"])
+                text += f": {line[:160]}{'...' if len(line) > 160 else ''}"
+            parts.append(text)
+    return "; ".join(parts)
+
+
+class ActionModule(ActionBase):
+    TRANSFERS_FILES = False
+    _requires_connection = True
+
+    def _status(self, jid: str, task_vars: dict) -> dict:
+        async_dir = self._remote_expand_user(self.get_shell_option("async_dir", default="~/.ansible_async"))
+        result = self._execute_module(module_name="ansible.legacy.async_status", task_vars=task_vars,
+                                      module_args={"jid": jid, "mode": "status", "_async_dir": async_dir})  # fmt: skip
+        result = merge_hash({"ansible_job_id": jid, "results_file": self._connection._shell.join_path(async_dir, jid),
+                             "started": True}, result)  # fmt: skip
+        for key in ("started", "finished"):
+            result[key] = bool(result.get(key))
+        return result
+
+    def _progress(self, command: str, has_heartbeat: bool) -> dict:
+        res = self._low_level_execute_command(command)
+        if res.get("rc") != 0:
+            return {"size": None, "line": None, "heartbeat": None}
+        return parse_progress(res.get("stdout", ""), has_heartbeat)
+
+    def run(self, tmp=None, task_vars=None):
+        result = super().run(tmp, task_vars)
+        _, args = self.validate_argument_spec(argument_spec={
+            "jid": {"type": "str", "required": True},
+            "what": {"type": "str", "required": True},
+            "log": {"type": "str"},
+            "pattern": {"type": "str", "default": r"\S"},
+            "heartbeat": {"type": "str"},
+            "interval": {"type": "int", "default": 10},
+            "timeout": {"type": "int", "default": 3600},
+        })  # fmt: skip
+        if args["interval"] < 1 or args["timeout"] < 0:
+            raise AnsibleActionFail("dflash_wait: interval must be >= 1 and timeout >= 0")
+        host = task_vars.get("inventory_hostname", "?") if task_vars else "?"
+        command = (progress_command(args["log"], args["pattern"], args["heartbeat"])
+                   if args["log"] or args["heartbeat"] else None)  # fmt: skip
+
+        start = time.monotonic()
+        next_line = start + args["interval"]
+        # Checked soon at first (a task that is nearly done ends the wait early), then every CHECK_MAX seconds.
+        check_every = 1.0
+        previous_size = None
+        if command:
+            previous_size = self._progress(command, bool(args["heartbeat"]))["size"]
+        while True:
+            status = self._status(args["jid"], task_vars)
+            if status["finished"] or status.get("failed"):
+                return merge_hash(result, status)
+            now = time.monotonic()
+            if now - start >= args["timeout"]:
+                return merge_hash(result, {
+                    "failed": True, "finished": False, "ansible_job_id": args["jid"],
+                    "msg": f"gave up waiting for {args['what']} after {args['timeout']}s; it goes on in the "
+                           f"background on {host} (async job {args['jid']})"})  # fmt: skip
+            if now >= next_line:
+                text = f"[{host}] {now - start:.0f}s waiting for {args['what']}"
+                if command:
+                    progress = self._progress(command, bool(args["heartbeat"]))
+                    detail = describe(progress, previous_size, bool(args["log"]), bool(args["heartbeat"]))
+                    previous_size = progress["size"] if progress["size"] is not None else previous_size
+                    text += f": {detail}" if detail else ""
+                display.display(text)
+                while next_line <= time.monotonic():
+                    next_line += args["interval"]
+            time.sleep(max(0.0, min(check_every, next_line - time.monotonic())))
+            check_every = min(check_every * 2, CHECK_MAX, float(args["interval"]))
