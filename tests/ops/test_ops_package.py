@@ -124,7 +124,8 @@ def test_dflash_ops_runs_from_a_wheel_outside_the_checkout(installed):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert result["playbook"] == "playbooks/status.yml" and result["containers"]["dflash-far"]["state"] == "unreachable"
     for path in ("playbooks/train.yml", "roles/job/meta/argument_specs.yml", "library/dflash_unit.py",
-                 "module_utils/dflash_supervisor.py", "connection_plugins/dflash_lxc.py", "configs/tiny-cpu.yaml"):
+                 "module_utils/dflash_supervisor.py", "connection_plugins/dflash_lxc.py", "configs/tiny-cpu.yaml",
+                 "playbooks/action_plugins/dflash_wait.py"):
         assert (site / "dflash" / "ops" / "project" / path).is_file(), path
 
 
