@@ -131,6 +131,37 @@ def test_the_double_shifts_the_rootfs_and_maps_ids_as_pve(pct, tmp_path):
 
 
 @needs_root
+def test_the_double_mounts_mp_entries_as_pves_prestart_hook(pct, tmp_path):
+    """mpN are mounted by the node's root before the container's user namespace exists: a source under a
+    directory the mapped root cannot enter is mounted all the same (LXC's own mount entries would fail there),
+    onto mount points made owned by the mapped root; `ro=1` mounts read-only."""
+    pct.cmd_create("9201", pct.template, "--unprivileged", "1")
+    locked = tmp_path / "locked"
+    (locked / "data").mkdir(parents=True)
+    locked.chmod(0o700)
+    (locked / "data" / "file").write_text("node\n")
+    (tmp_path / "wheels").mkdir()
+    pct.cmd_set("9201", "--mp0", f"{locked}/data,mp=/srv/data", "--mp1", f"{tmp_path}/wheels,mp=/opt/w/heels,ro=1")
+    conf = pct.read_conf("9201")
+    pct.make_mount_targets("9201", conf)
+    rootfs = tmp_path / "lxc" / "9201" / "rootfs"
+    for made in ("srv", "srv/data", "opt", "opt/w", "opt/w/heels"):
+        assert (os.stat(rootfs / made).st_uid, os.stat(rootfs / made).st_gid) == (100000, 100000), made
+    pct.write_lxc_config("9201", conf)
+    lxc_config = (tmp_path / "lxc" / "9201" / "config").read_text()
+    hook = tmp_path / "lxc" / "9201" / "prestart-hook"
+    assert f"lxc.hook.pre-start = {hook}" in lxc_config and "lxc.monitor.unshare = 1" in lxc_config
+    assert "srv/data none bind" not in lxc_config  # not an LXC mount entry: those run in the user namespace
+
+    probe = (f'"{hook}" && cat "{rootfs}/srv/data/file" && ! touch "{rootfs}/opt/w/heels/x" 2>/dev/null'
+             f' && echo read-only')  # fmt: skip
+    run = subprocess.run(["unshare", "--mount", "sh", "-c", probe], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["node", "read-only"]
+    assert not (rootfs / "srv" / "data" / "file").exists()  # mounted in that namespace only
+
+
+@needs_root
 def test_the_double_keeps_privileged_containers_unmapped_and_refuses_unmappable_ids(pct, tmp_path, capsys):
     pct.cmd_create("9202", pct.template, "--unprivileged", "0")
     assert os.lstat(tmp_path / "lxc" / "9202" / "rootfs" / "etc" / "shadow").st_gid == 42
