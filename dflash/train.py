@@ -6,6 +6,9 @@ One `Trainer` serves every topology; what differs is given to it (docs/architect
 * an input source, where a micro-batch and its target features come from: `LocalTarget` (the target in
   this process) or `dflash.distributed.ranks.RemoteTargets` (sent by target ranks);
 * a step reducer, how the ranks' steps meet: `SingleProcess` or `dflash.distributed.ranks.DataParallel`.
+
+The evals are `dflash.evaluate.Evaluator`'s: the trainer builds one at setup and calls it at every
+`logging.eval_interval` and at the end; what it keeps of an eval is the best checkpoint (`_keep_if_best`).
 """
 
 from __future__ import annotations
@@ -57,11 +60,10 @@ def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
 
 # ---------------------------------------------------------------------------------------- input sources
 class InputSource(Protocol):
-    """Where the trainer's micro-batches and their target features come from."""
+    """Where the trainer's micro-batches and their target features come from. Its `target`, `features`,
+    `embed_tokens` and `lm_head_weight` are also what the evaluator reads (`dflash.evaluate.FeatureSource`)."""
 
     target: Target | None  # the target in this process (evaluation needs it), or None
-
-    # features, embed_tokens, lm_head_weight: also what an evaluation reads (dflash.evaluate.FeatureSource)
 
     def open(self, config: RunConfig, layer_ids: list[int], device: torch.device) -> Target | None:
         """At setup, before the data is built (regeneration needs the target): load what this process holds."""
