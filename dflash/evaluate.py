@@ -269,8 +269,9 @@ class Evaluator:
       (`"kind": "eval"`) and kept as `last` (the heartbeat's eval fields).
 
     The held-out passes call the drafter's own `forward` (compiled with the drafter, never a DDP wrapper: one
-    process evaluates alone) through `block_pass`. A stop request (dflash.stop) ends an eval at its next batch or
-    prompt; the drafter's train/eval mode is restored whatever happens."""
+    process evaluates alone) through `block_pass`; without held-out data, its batch shape or a pass (`dflash
+    eval`) only `speculative` runs. A stop request (dflash.stop) ends an eval at its next batch or prompt; the
+    drafter's train/eval mode is restored whatever happens."""
 
     def __init__(self, drafter: Drafter, source: FeatureSource, *, prompts: list[Prompt], max_new_tokens: int,
                  eos_ids: list[int], vocab_limit: int | None = None, eval_set: TokenizedSet | None = None,
@@ -278,7 +279,7 @@ class Evaluator:
                  forward: Callable | None = None, autocast: Callable[[], Any] = contextlib.nullcontext,
                  observer: Any = None, max_batches: int = 50, walk_batches: int = 8):
         self.drafter = drafter
-        self.source = source  # read at every call: what it serves may be wrapped after setup
+        self.source = source  # its methods are looked up at every call, never kept
         self.prompts = prompts
         self.max_new_tokens = max_new_tokens
         self.eos_ids = eos_ids
@@ -325,7 +326,7 @@ class Evaluator:
 
     def _held_out(self, dataset: TokenizedSet | None) -> TokenizedSet | None:
         dataset = dataset or self.eval_set
-        if dataset is None or len(dataset) == 0 or self.block_pass is None:
+        if dataset is None or len(dataset) == 0 or self.block_pass is None or self.batch_shape is None:
             return None
         return dataset
 
