@@ -1,27 +1,39 @@
-"""`dflash eval`: real greedy speculative decoding of held-out prompts with the target and a drafter.
+"""Evaluation of a drafter against its target: the trainer's evals and `dflash eval`, one code path.
 
-Reports the mean acceptance length (tokens committed per target forward, 1..B), its histogram, per-prompt
-values, tokens/s with the drafter and for the target alone on the same prompts, the speedup, and
-losslessness: every output must equal the target's own greedy decoding (a mismatch is an error naming the
-prompt and the first differing position).
+`Evaluator` is the component both use. It owns which held-out batches an eval reads, the simulated tau over
+them (the training pass, `dflash.loss.BlockPass`, with the drafter's own compiled forward), the tau along the
+decoding path, the real acceptance length of greedy speculative decoding on its prompts, and the eval record
+it reports (the log line, the `"kind": "eval"` line of metrics.jsonl, the heartbeat's eval fields).
+
+Real decoding (`evaluate_speculative`) reports the mean acceptance length (tokens committed per target
+forward, 1..B), its histogram, per-prompt values, tokens/s with the drafter and for the target alone on the
+same prompts, the speedup, and losslessness: every output must equal the target's own greedy decoding (a
+mismatch is an error naming the prompt and the first differing position).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from dflash import stop
+from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet
 from dflash.errors import BadInput, DflashError
+from dflash.logs import get_logger
+from dflash.loss import BlockPass, BlockStats, step_generator
 from dflash.models.drafter import Drafter
 from dflash.models.target import Target
 from dflash.speculative import first_difference, greedy_generate, speculative_generate
+
+log = get_logger(__name__)
 
 # A first difference where the target's own top-2 logits were closer than this (relative to the top logit) is a
 # numerical tie of the target's dtype (batched verify vs one-token decode round differently), not a loss.
@@ -213,6 +225,234 @@ def evaluate_speculative(target: Target, drafter: Drafter, prompts: list[Prompt]
     return report
 
 
+# ------------------------------------------------------------------------------------------ the evaluator
+EVAL_SEED = 12345  # the held-out batches' order: the same at every eval, so evals are comparable across steps
+ANCHOR_SEED = 999  # the held-out anchors: step_generator(ANCHOR_SEED, batch index, 0), the same at every eval
+
+
+class FeatureSource(Protocol):
+    """Where an evaluation's target features come from (the trainer's input source is one)."""
+
+    target: Target | None  # the target in this process (real decoding needs it), or None
+
+    def features(self, batch: Batch) -> torch.Tensor: ...
+
+    def embed_tokens(self) -> torch.nn.Embedding: ...
+
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+
+class TargetFeatures:
+    """A target in this process as an evaluation's feature source."""
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def features(self, batch: Batch) -> torch.Tensor:
+        return self.target.features(batch.input_ids, None)  # right-padded rows: see `Target.features`
+
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.target.embed_tokens
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.target.lm_head.weight
+
+
+class Evaluator:
+    """One drafter evaluated against its target, at every eval of a run and by `dflash eval`.
+
+    * `block_stats`: the simulated tau and per-position accuracy over up to `max_batches` held-out batches (a
+      fixed order and fixed anchors: evals are comparable across steps);
+    * `walk_tau`: the simulated acceptance length along the path greedy decoding takes, on `walk_batches` of them;
+    * `speculative`: real greedy speculative decoding of the prompts (the target alone, then with the drafter);
+    * `report(step)`: all three as one eval record, logged (`eval step N: ...`), written to metrics.jsonl
+      (`"kind": "eval"`) and kept as `last` (the heartbeat's eval fields).
+
+    The held-out passes call the drafter's own `forward` (compiled with the drafter, never a DDP wrapper: one
+    process evaluates alone) through `block_pass`; without held-out data, its batch shape or a pass (`dflash
+    eval`) only `speculative` runs. A stop request (dflash.stop) ends an eval at its next batch or prompt; the
+    drafter's train/eval mode is restored whatever happens."""
+
+    def __init__(self, drafter: Drafter, source: FeatureSource, *, prompts: list[Prompt], max_new_tokens: int,
+                 eos_ids: list[int], vocab_limit: int | None = None, eval_set: TokenizedSet | None = None,
+                 batch_shape: BatchShape | None = None, pad_token_id: int = 0, block_pass: BlockPass | None = None,
+                 forward: Callable | None = None, autocast: Callable[[], Any] = contextlib.nullcontext,
+                 observer: Any = None, max_batches: int = 50, walk_batches: int = 8):
+        self.drafter = drafter
+        self.source = source  # its methods are looked up at every call, never kept
+        self.prompts = prompts
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = eos_ids
+        self.vocab_limit = vocab_limit
+        self.eval_set = eval_set
+        self.batch_shape = batch_shape
+        self.pad_token_id = pad_token_id
+        self.block_pass = block_pass
+        self.forward = forward if forward is not None else drafter.forward
+        self.autocast = autocast
+        self.observer = observer  # dflash.observability.RunObserver; None: the log line only
+        self.max_batches = max_batches
+        self.walk_batches = walk_batches
+        self.last: dict[str, Any] | None = None  # the last eval record
+
+    @classmethod
+    def for_run(cls, config, drafter: Drafter, source: FeatureSource, tokenizer, eval_set: TokenizedSet | None,
+                block_pass: BlockPass, *, forward: Callable | None = None,
+                autocast: Callable[[], Any] = contextlib.nullcontext, observer: Any = None) -> Evaluator:
+        """The trainer's evaluator: the run's held-out split, batched like training (`data`), and its first
+        `eval.speculative_prompts` prompts decoded up to `eval.max_new_tokens` tokens."""
+        e = config.eval
+        prompts = prompts_from_tokenized(eval_set, e.speculative_prompts) if eval_set and e.speculative_prompts else []
+        return cls(drafter, source, prompts=prompts, max_new_tokens=e.max_new_tokens, eos_ids=eos_ids_of(tokenizer),
+                   vocab_limit=len(tokenizer), eval_set=eval_set, batch_shape=BatchShape.of(config.data),
+                   pad_token_id=tokenizer.pad_token_id or 0, block_pass=block_pass, forward=forward,
+                   autocast=autocast, observer=observer)
+
+    # -- the held-out batches
+    def batches(self, dataset: TokenizedSet, max_batches: int) -> Iterator[tuple[int, Batch]]:
+        """The held-out batches every eval reads (a fixed order: evals are comparable across steps)."""
+        sampler = RoundRobinBatchSampler(dataset.lengths(), self.batch_shape, seed=EVAL_SEED)
+        device = self.block_pass.device
+        for i, (blen, idx) in enumerate(sampler.epoch_batches(0)):
+            if i >= max_batches:
+                break
+            yield i, collate(dataset.samples, idx, blen, self.pad_token_id).to(device)
+
+    def _pass(self, index: int, batch: Batch, num_anchors: int | None = None):
+        stop.check()  # a stop request ends the eval here (`report` skips the rest)
+        features = self.source.features(batch)
+        return self.block_pass(self.forward, features, batch, step_generator(ANCHOR_SEED, index, 0),
+                               self.source.embed_tokens(), self.source.lm_head_weight(), num_anchors)
+
+    def _held_out(self, dataset: TokenizedSet | None) -> TokenizedSet | None:
+        dataset = dataset or self.eval_set
+        if dataset is None or len(dataset) == 0 or self.block_pass is None or self.batch_shape is None:
+            return None
+        return dataset
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        was_training = self.drafter.training
+        self.drafter.eval()
+        try:
+            yield
+        finally:
+            self.drafter.train(was_training)
+
+    @torch.no_grad()
+    def block_stats(self, dataset: TokenizedSet | None = None, max_batches: int | None = None) -> BlockStats | None:
+        """Simulated tau and per-position accuracy: the training pass at fixed anchors of held-out batches."""
+        dataset = self._held_out(dataset)
+        if dataset is None:
+            return None
+        total = None
+        with self._eval_mode():
+            for i, batch in self.batches(dataset, max_batches or self.max_batches):
+                stats = self._pass(i, batch).stats
+                total = stats if total is None else total + stats
+        return total
+
+    @torch.no_grad()
+    def walk_tau(self, dataset: TokenizedSet | None = None, max_batches: int | None = None) -> float | None:
+        """Simulated acceptance length along the path greedy decoding takes, on the held-out data.
+
+        Blocks are anchored at every answer position; the walk starts at the first answer token (the one the
+        target's prefill produces), commits the block's leading correct predictions plus one, and anchors the
+        next block there, as speculative decoding does. Where the data is the target's own greedy output this
+        equals the real acceptance length (up to the generation limit); random anchors (`tau`) weigh every
+        position alike and so overstate it when easy runs alternate with hard spots (rounds restart at the
+        hard spots). A gap between this and the real acceptance length means the data is not the target's."""
+        dataset = self._held_out(dataset)
+        if dataset is None:
+            return None
+        rounds = committed = 0
+        with self._eval_mode():
+            for i, batch in self.batches(dataset, max_batches or self.walk_batches):
+                result = self._pass(i, batch, num_anchors=int(batch.input_ids.shape[1]))
+                anchors, valid, lead = result.anchors, result.valid, result.leading_correct()
+                for r in range(anchors.shape[0]):
+                    table = {int(a): int(k) for a, k, v in zip(anchors[r], lead[r], valid[r], strict=True) if v}
+                    loss_pos = torch.nonzero(batch.loss_mask[r].cpu()).flatten()
+                    if loss_pos.numel() == 0:
+                        continue
+                    a = int(loss_pos[0])
+                    while a in table:
+                        rounds += 1
+                        committed += table[a] + 1
+                        a += table[a] + 1
+        return committed / rounds if rounds else None
+
+    # -- real decoding
+    def speculative(self, prompts: list[Prompt] | None = None, check_lossless: bool = False,
+                    timings: bool = True) -> EvalReport | None:
+        """Real greedy speculative decoding of `prompts` (default: the evaluator's own); None without prompts or
+        without a target in this process."""
+        prompts = self.prompts if prompts is None else prompts
+        target = self.source.target
+        if not prompts or target is None:
+            return None
+        with torch.no_grad(), self.autocast():
+            return evaluate_speculative(target, self.drafter, prompts, self.max_new_tokens, self.eos_ids,
+                                        vocab_limit=self.vocab_limit, check_lossless=check_lossless,
+                                        timings=timings, before_prompt=stop.check)
+
+    # -- the record
+    def _event(self, text: str) -> None:
+        if self.observer is not None:
+            self.observer.event(text)
+        else:
+            log.info(text)
+
+    def report(self, step: int) -> dict[str, Any] | None:
+        """The eval record of `step` (None: no held-out data, no target here, or a stop request ended it)."""
+        if self.source.target is None:
+            if self.eval_set is not None:
+                log.info("eval skipped: disaggregated drafter ranks hold no target "
+                         "(evaluate the exported drafter with `dflash export` and a serving engine)")
+            return None
+        try:
+            return self.record(step)
+        except stop.Interrupted:
+            # the steps and their checkpoint are not waited on by an eval: a stop ends it where it is
+            self._event(f"eval step {step}: interrupted by a stop request; no eval numbers for this step")
+            return None
+
+    def record(self, step: int) -> dict[str, Any] | None:
+        """Simulated tau, tau along the decoding path and the real acceptance length of `step`: logged, written
+        to metrics.jsonl and kept as `last`."""
+        stats = self.block_stats()
+        if stats is None:
+            return None
+        record: dict[str, Any] = {"step": step, "tau": stats.tau, "acc": stats.accuracy}
+        try:
+            walk = self.walk_tau()
+        except torch.OutOfMemoryError:  # every answer position anchored at once: a report, never a crash
+            walk = None
+            self._event("eval: not enough GPU memory for the decoding-path tau; skipped")
+        if walk is not None:
+            record["tau_walk"] = walk
+        real = self.speculative()
+        if real is not None:
+            record.update(acceptance_length=real.acceptance_length, lossless=real.lossless,
+                          prompts=len(real.prompts), speedup=real.speedup)
+        text = f"eval step {step}: simulated tau {stats.tau:.3f} (along the decoding path {walk or 0:.3f}) " \
+               f"acc@1 {stats.accuracy[0]:.3f}"
+        if real is not None:
+            text += (f"; real acceptance length {real.acceptance_length:.3f} over {len(real.prompts)} prompts "
+                     f"(lossless {sum(p.lossless for p in real.prompts)}/{len(real.prompts)})")
+        self._event(text)
+        if self.observer is not None:
+            self.observer.log_eval(record)
+        self.last = record
+        return record
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """The last eval's numbers for the heartbeat (simulated tau and the real acceptance length)."""
+        ev = self.last or {}
+        return {"eval_step": ev.get("step"), "eval_tau": ev.get("tau"),
+                "eval_acceptance_length": ev.get("acceptance_length")}
+
+
 # ------------------------------------------------------------------------------------------------ the CLI
 def check_out_path(out: str) -> None:
     """`--out` can be written once the evaluation is done: checked before it starts (the result is not lost)."""
@@ -304,8 +544,9 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
         prompts = prompts_from_tokenized(evalset, num_prompts)
     if not prompts:
         raise BadInput("no prompt to evaluate")
-    report = evaluate_speculative(target, drafter, prompts, max_new_tokens, eos_ids_of(tokenizer),
-                                  vocab_limit=len(tokenizer), check_lossless=False)
+    evaluator = Evaluator(drafter, TargetFeatures(target), prompts=prompts, max_new_tokens=max_new_tokens,
+                          eos_ids=eos_ids_of(tokenizer), vocab_limit=len(tokenizer))
+    report = evaluator.speculative()
     result = {**report.to_dict(), "drafter": str(source), "config": str(config_path),
               "max_new_tokens": max_new_tokens, "device": str(device), "seconds": time.time() - setup.started}
     if out:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -256,3 +258,85 @@ class BlockStats:
     def tau(self) -> float:
         """Simulated acceptance length: 1 + mean leading correct predictions per block."""
         return 1.0 + float(self.accepted_sum / self.num_blocks.clamp(min=1))
+
+
+# ------------------------------------------------------------------------------------ the drafter's pass
+def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
+    """Anchors depend only on (seed, step, rank): a resumed run draws exactly what an unbroken one would."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + rank)
+
+
+def autocast_for(device: torch.device):
+    """The run's autocast: bfloat16 on CUDA; none elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@dataclass
+class PassResult:
+    """One batch through the drafter: its blocks and, after the forward, its loss and which labels it predicted."""
+
+    anchors: torch.Tensor  # (b, m) on the host
+    valid: torch.Tensor  # (b, m) on the host
+    on_host: Blocks  # the blocks on the host (their counts need no device sync)
+    blocks: Blocks  # the same blocks on the device
+    loss: torch.Tensor | None = None  # 0-d
+    correct: torch.Tensor | None = None  # (b, m, B-1) bool, on the device
+
+    @property
+    def stats(self) -> BlockStats:
+        return BlockStats.of(self.correct, self.blocks)
+
+    def leading_correct(self) -> torch.Tensor:
+        """(b, m) leading correct predictions of each block, on the host."""
+        hit = (self.correct & self.blocks.label_valid).float()
+        return torch.cumprod(hit, dim=-1).sum(-1).long().cpu()
+
+
+@dataclass
+class BlockPass:
+    """Anchors -> blocks -> the drafter forward -> the decayed loss, for one batch given its target features: the
+    pass training and the held-out evaluation share (docs/method.md). Two halves: `prepare` builds anchors, blocks
+    and counts on the host (the GPU is never waited for) and sends the blocks to the device; `loss` runs the
+    forward under the run's autocast."""
+
+    drafter: Any  # dflash.models.drafter.Drafter: its mask token and its weights' dtype
+    block_size: int
+    gamma: float
+    num_anchors: int  # anchors per sequence (drafter.num_anchors)
+    loss_chunk_size: int
+    loss_impl: str
+    attention_kind: str  # "sdpa" or "flex" (dflash.models.attention)
+    device: torch.device
+    flex: Callable | None = None  # the compiled flex_attention, where used
+
+    def autocast(self):
+        return autocast_for(self.device)
+
+    def prepare(self, batch, generator: torch.Generator, num_anchors: int | None = None) -> PassResult:
+        """The host half for `batch` (a dflash.data Batch on the device); `num_anchors`: anchors per sequence if
+        not the training's (the decoding-path walk anchors every position)."""
+        host = batch.on_host
+        anchors, valid = sample_anchors(host.loss_mask, host.lengths, num_anchors or self.num_anchors, generator)
+        on_host = build_blocks(host.input_ids, host.loss_mask, host.lengths, anchors, valid, self.block_size,
+                               self.drafter.arch.mask_token_id)
+        return PassResult(anchors, valid, on_host, on_host.to(self.device))
+
+    def loss(self, forward: Callable, features: torch.Tensor, blocks: Blocks, embed: torch.nn.Embedding,
+             head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device half: `forward` (the drafter's compiled forward, or a DDP wrapper) over the blocks and the
+        weighted block loss. Returns (loss, correct (b, m, B-1))."""
+        if self.device.type != "cuda":  # no autocast off CUDA: a bf16 target's tensors meet fp32 drafter weights
+            dtype = next(self.drafter.parameters()).dtype
+            features, head = features.to(dtype), head.to(dtype)
+        with self.autocast():
+            hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self.flex)
+            return weighted_block_loss(hidden, head, blocks, self.gamma, self.loss_chunk_size, self.loss_impl)
+
+    def __call__(self, forward: Callable, features: torch.Tensor, batch, generator: torch.Generator,
+                 embed: torch.nn.Embedding, head: torch.Tensor, num_anchors: int | None = None) -> PassResult:
+        """Both halves."""
+        result = self.prepare(batch, generator, num_anchors)
+        result.loss, result.correct = self.loss(forward, features, result.blocks, embed, head)
+        return result

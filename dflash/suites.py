@@ -3,9 +3,10 @@
 Each suite reads its rows in the published format (a local JSONL, JSON or parquet file, or `hf:DATASET_ID` through
 the `datasets` library where the hub can be reached), turns each row into one user message (SUITES: the builder of
 each is documented there and in docs/evaluation.md), renders it with the tokenizer's chat template (thinking on,
-off, or the template's default) and decodes it through the same path as `dflash eval` (dflash/evaluate.py: greedy,
-target alone and with the drafter, losslessness). The result per suite: prompts, mean acceptance length, the
-acceptance of each draft position, lossless prompts and tokens/s; printed as a table and written as JSON.
+off, or the template's default) and decodes it through the same path as `dflash eval` and the trainer's evals
+(`dflash.evaluate.Evaluator.speculative`: greedy, target alone and with the drafter, losslessness). The result
+per suite: prompts, mean acceptance length, the acceptance of each draft position, lossless prompts and tokens/s;
+printed as a table and written as JSON.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from dflash.errors import BadInput, DataError
 from dflash.evaluate import (
     THINKING_FLAGS,
     EvalReport,
+    Evaluator,
     LosslessnessError,
     Prompt,
+    TargetFeatures,
     eos_ids_of,
-    evaluate_speculative,
     load_eval_models,
     render_prompt_ids,
 )
@@ -214,13 +216,13 @@ def run_suites(args) -> int:
                 "enable_thinking": enable_thinking,
                 "template_reads_enable_thinking": "enable_thinking" in str(getattr(tokenizer, "chat_template", "")),
                 "device": str(setup.device), "decoding": "greedy, batch 1, target alone then with the drafter"}
+    evaluator = Evaluator(setup.drafter, TargetFeatures(setup.target), prompts=[], max_new_tokens=args.max_new_tokens,
+                          eos_ids=eos_ids_of(tokenizer), vocab_limit=len(tokenizer))
     results = []
     for name, source, rows in suites:
         prompts = [Prompt(key, render_prompt_ids(tokenizer, [{"role": "user", "content": text}], enable_thinking))
                    for key, text in rows]
-        report = evaluate_speculative(setup.target, setup.drafter, prompts, args.max_new_tokens,
-                                      eos_ids_of(tokenizer), vocab_limit=len(tokenizer), check_lossless=False)
-        results.append(suite_result(name, source, report))
+        results.append(suite_result(name, source, evaluator.speculative(prompts)))
     settings["seconds"] = time.time() - setup.started
     document = {"settings": settings, "suites": {r["suite"]: r for r in results}}
     if args.out:

@@ -6,6 +6,9 @@ One `Trainer` serves every topology; what differs is given to it (docs/architect
 * an input source, where a micro-batch and its target features come from: `LocalTarget` (the target in
   this process) or `dflash.distributed.ranks.RemoteTargets` (sent by target ranks);
 * a step reducer, how the ranks' steps meet: `SingleProcess` or `dflash.distributed.ranks.DataParallel`.
+
+The evals are `dflash.evaluate.Evaluator`'s: the trainer builds one at setup and calls it at every
+`logging.eval_interval` and at the end; what it keeps of an eval is the best checkpoint (`_keep_if_best`).
 """
 
 from __future__ import annotations
@@ -22,22 +25,16 @@ from dflash import failures, step_graph, stop
 from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
 from dflash.compile import compile_drafter, compile_target_layers, configure_for_run
 from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, default_gamma
-from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, collate
+from dflash.data.buckets import Batch
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
 from dflash.errors import BadInput, Diverged
+from dflash.evaluate import Evaluator
 from dflash.float8 import check_float8, convert_linears, float8_linears
 from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
-from dflash.loss import (
-    Blocks,
-    BlockStats,
-    build_blocks,
-    position_weights,
-    sample_anchors,
-    weighted_block_loss,
-)
+from dflash.loss import BlockPass, Blocks, BlockStats, autocast_for, position_weights, step_generator
 from dflash.metrics import InputTimer, MetricsWindow, StepResult
 from dflash.models.attention import compiled_flex_attention, flex_options_for, resolve_kind
 from dflash.models.drafter import Drafter, arch_from_target
@@ -61,14 +58,10 @@ def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
     return factor
 
 
-def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
-    """Anchors depend only on (seed, step, rank): a resumed run draws exactly what an unbroken one would."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + rank)
-
-
 # ---------------------------------------------------------------------------------------- input sources
 class InputSource(Protocol):
-    """Where the trainer's micro-batches and their target features come from."""
+    """Where the trainer's micro-batches and their target features come from. Its `target`, `features`,
+    `embed_tokens` and `lm_head_weight` are also what the evaluator reads (`dflash.evaluate.FeatureSource`)."""
 
     target: Target | None  # the target in this process (evaluation needs it), or None
 
@@ -190,7 +183,6 @@ class Trainer:
         self._device = device  # set by dflash.distributed (the rank's GPU); else runtime.device
         self.step = 0
         self.input_seconds = 0.0  # time spent obtaining inputs since the last report window
-        self.last_eval: dict[str, Any] | None = None  # the last eval record (heartbeat, status)
         self.accepted_changes: dict[str, tuple[Any, Any]] = {}  # resume-contract changes allowed by the config
         self.previous_end: dict[str, Any] | None = None  # how the previous start ended (dflash/stacks.py)
         self.step_graphs: step_graph.StepGraphs | None = None  # the drafter step's CUDA graphs, where it captures
@@ -269,6 +261,10 @@ class Trainer:
         self.sampler = self.inputs.sampler(self.rank, self.world_size)
         self.total_steps = self.inputs.total_steps(self.world_size)
         self._build_drafter()
+        # the evals (the reporter runs them): the held-out split, its prompts, the drafter's compiled forward
+        self.evaluator = Evaluator.for_run(c, self.drafter, self.source, self.tokenizer, self.eval_set,
+                                           self.block_pass, forward=self.drafter.forward, autocast=self.autocast,
+                                           observer=self.observer)
         self._build_optimizer()
         # the checkpoint holds the stateful parts; restored in this order (the RNG last: loading draws from it)
         self.ckpt = CheckpointManager(ckpt_dir, c.checkpoint.keep_last, model=self.drafter,
@@ -342,6 +338,9 @@ class Trainer:
             log.info(f"compile: flex_attention kernel options {tiles or 'torch defaults'}")
         if plan.drafter:  # the whole forward (measured faster than per layer); the BlockMask stays eager
             compile_drafter(self.drafter, plan.drafter_mode)
+        d = c.drafter
+        self.block_pass = BlockPass(self.drafter, d.block_size, self.gamma, d.num_anchors, d.loss_chunk_size,
+                                    d.loss_impl, self.attention_kind, self.device, self._flex)
 
     def _build_optimizer(self) -> None:
         o = self.config.optim
@@ -462,47 +461,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ steps
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        return autocast_for(self.device)
 
-    def prepare_blocks(self, batch: Batch, generator: torch.Generator, num_anchors: int | None = None):
-        """The host half of a micro-batch's loss: anchors and blocks from the host copy (the GPU is never waited
-        for), the blocks sent to the device, this micro-batch's FLOPs and loss weight. Returns (anchors, valid,
-        blocks on the device)."""
-        c = self.config.drafter
-        host = batch.on_host
-        anchors, valid = sample_anchors(host.loss_mask, host.lengths, num_anchors or c.num_anchors, generator)
-        on_host = build_blocks(host.input_ids, host.loss_mask, host.lengths, anchors, valid, c.block_size,
-                               self.drafter.arch.mask_token_id)
-        self.last_flops = drafter_step_flops(self.drafter.arch, int(host.lengths.sum()), anchors, valid,
-                                             on_host.num_rows)
-        self.last_weight = self.loss_weight(on_host.label_valid)
-        return anchors, valid, on_host.to(self.device)
+    def prepare_blocks(self, batch: Batch, generator: torch.Generator):
+        """The host half of a micro-batch's loss (`dflash.loss.BlockPass.prepare`: anchors and blocks from the
+        host copy, the GPU never waited for; the blocks sent to the device), and this micro-batch's FLOPs and loss
+        weight. Returns (anchors, valid, blocks on the device)."""
+        p = self.block_pass.prepare(batch, generator)
+        self.last_flops = drafter_step_flops(self.drafter.arch, int(batch.on_host.lengths.sum()), p.anchors, p.valid,
+                                             p.on_host.num_rows)
+        self.last_weight = self.loss_weight(p.on_host.label_valid)
+        return p.anchors, p.valid, p.blocks
 
     def blocks_loss(self, features: torch.Tensor, blocks: Blocks, model=None):
         """The device half: drafter forward and the weighted block loss. Returns (loss, correct)."""
-        c = self.config.drafter
-        forward = model if model is not None else self.drafter
-        embed = self.source.embed_tokens()
-        head = self.source.lm_head_weight()
-        if self.device.type != "cuda":  # no autocast off CUDA: a bf16 target's tensors meet fp32 drafter weights
-            dtype = next(self.drafter.parameters()).dtype
-            features, head = features.to(dtype), head.to(dtype)
-        with self.autocast():
-            hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self._flex)
-            return weighted_block_loss(hidden, head, blocks, self.gamma, c.loss_chunk_size, c.loss_impl)
+        return self.block_pass.loss(model if model is not None else self.drafter, features, blocks,
+                                    self.source.embed_tokens(), self.source.lm_head_weight())
 
-    def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator, model=None,
-                     num_anchors: int | None = None, leads: list | None = None):
-        """Loss and stats of one batch given its target features (shared by every topology).
-
-        `leads`: a list that receives (anchors (b, m), valid (b, m), leading correct predictions (b, m))."""
-        anchors, valid, blocks = self.prepare_blocks(batch, generator, num_anchors)
+    def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator,
+                     model=None) -> tuple[torch.Tensor, BlockStats]:
+        """Loss and stats of one training micro-batch given its target features (shared by every topology; the
+        pass is `dflash.loss.BlockPass`, which the evals share)."""
+        _, _, blocks = self.prepare_blocks(batch, generator)
         loss, correct = self.blocks_loss(features, blocks, model)
-        if leads is not None:
-            hit = (correct & blocks.label_valid).float()
-            leads.append((anchors, valid, torch.cumprod(hit, dim=-1).sum(-1).long().cpu()))
         return loss, BlockStats.of(correct, blocks)
 
     def optimizer_step(self, grad_scale: float = 1.0) -> None:
@@ -570,71 +551,6 @@ class Trainer:
         self.input_seconds += self.input_timer.collect()
         return epoch, StepResult(loss_total / max(weight_total, 1e-12), stats, tokens)
 
-    def _eval_batches(self, dataset: TokenizedSet, max_batches: int):
-        """The held-out batches every eval reads (a fixed order: evals are comparable across steps)."""
-        c = self.config
-        sampler = RoundRobinBatchSampler(dataset.lengths(), BatchShape.of(c.data), seed=12345)
-        for i, (blen, idx) in enumerate(sampler.epoch_batches(0)):
-            if i >= max_batches:
-                break
-            yield i, collate(dataset.samples, idx, blen, self.tokenizer.pad_token_id or 0).to(self.device)
-
-    @torch.no_grad()
-    def evaluate(self, dataset: TokenizedSet | None = None, max_batches: int = 50) -> BlockStats | None:
-        dataset = dataset or self.eval_set
-        if dataset is None or len(dataset) == 0:
-            return None
-        total = None
-        self.drafter.eval()
-        try:
-            for i, batch in self._eval_batches(dataset, max_batches):
-                stop.check()  # a stop request ends the eval here (`_report_eval` skips the rest)
-                _, stats = self.drafter_loss(self.source.features(batch), batch, step_generator(999, i, 0),
-                                             self.drafter.forward)
-                total = stats if total is None else total + stats
-        finally:
-            self.drafter.train()
-        return total
-
-    @torch.no_grad()
-    def walk_tau(self, dataset: TokenizedSet | None = None, max_batches: int = 8) -> float | None:
-        """Simulated acceptance length along the path greedy decoding takes, on the held-out data.
-
-        Blocks are anchored at every answer position; the walk starts at the first answer token (the one the
-        target's prefill produces), commits the block's leading correct predictions plus one, and anchors the
-        next block there, as speculative decoding does. Where the data is the target's own greedy output this
-        equals the real acceptance length (up to the generation limit); random anchors (`tau`) weigh every
-        position alike and so overstate it when easy runs alternate with hard spots (rounds restart at the
-        hard spots). A gap between this and the real acceptance length means the data is not the target's."""
-        dataset = dataset or self.eval_set
-        if dataset is None or len(dataset) == 0:
-            return None
-        self.drafter.eval()
-        try:
-            return self._walk(dataset, max_batches)
-        finally:
-            self.drafter.train()
-
-    def _walk(self, dataset: TokenizedSet, max_batches: int) -> float | None:
-        rounds = committed = 0
-        for i, batch in self._eval_batches(dataset, max_batches):
-            stop.check()
-            leads: list = []
-            self.drafter_loss(self.source.features(batch), batch, step_generator(999, i, 0), self.drafter.forward,
-                              num_anchors=int(batch.input_ids.shape[1]), leads=leads)
-            anchors, valid, lead = leads[0]
-            for r in range(anchors.shape[0]):
-                table = {int(a): int(k) for a, k, v in zip(anchors[r], lead[r], valid[r], strict=True) if v}
-                loss_pos = torch.nonzero(batch.loss_mask[r].cpu()).flatten()
-                if loss_pos.numel() == 0:
-                    continue
-                a = int(loss_pos[0])
-                while a in table:
-                    rounds += 1
-                    committed += table[a] + 1
-                    a += table[a] + 1
-        return committed / rounds if rounds else None
-
     # ------------------------------------------------------------------------------------------ loop
     def memory_gib(self) -> float:
         if self.device.type == "cuda":
@@ -684,10 +600,7 @@ class Trainer:
         return result
 
     def _eval_beat(self) -> dict[str, Any]:
-        """The last eval's numbers for the heartbeat (simulated tau and the real acceptance length)."""
-        ev = self.last_eval or {}
-        return {"eval_step": ev.get("step"), "eval_tau": ev.get("tau"),
-                "eval_acceptance_length": ev.get("acceptance_length")}
+        return self.evaluator.heartbeat_fields()
 
     def _report(self, epoch: int, window: MetricsWindow) -> dict[str, Any]:
         window = self.reducer.reduce_window(window)
@@ -708,21 +621,12 @@ class Trainer:
         return record
 
     def _report_eval(self) -> dict[str, Any] | None:
-        """Simulated tau on the held-out set, and the real acceptance length of speculative decoding (the
-        reporter evaluates alone; a rank fed by target ranks holds no target to evaluate with)."""
+        """The eval of this step (dflash.evaluate.Evaluator: simulated tau on the held-out set, the real
+        acceptance length of speculative decoding), run by the reporter alone; a new best real acceptance length
+        keeps its checkpoint."""
         if not self.is_reporter:
             return None
-        if self.target is None:
-            if self.eval_set is not None:
-                log.info("eval skipped: disaggregated drafter ranks hold no target "
-                         "(evaluate the exported drafter with `dflash export` and a serving engine)")
-            return None
-        try:
-            record = self._eval_record()
-        except stop.Interrupted:
-            # the steps and their checkpoint are not waited on by an eval: a stop ends it where it is
-            self.observer.event(f"eval step {self.step}: interrupted by a stop request; no eval numbers for this step")
-            return None
+        record = self.evaluator.report(self.step)
         self._keep_if_best(record)
         return record
 
@@ -737,47 +641,6 @@ class Trainer:
         if self.ckpt.keep_if_best(self.step, score):
             self.observer.event(f"best checkpoint: {self.ckpt.path_for(self.step).name} "
                                 f"(acceptance length {score:.3f})")
-
-    def _eval_record(self) -> dict[str, Any] | None:
-        stats = self.evaluate()
-        if stats is None:
-            return None
-        record: dict[str, Any] = {"step": self.step, "tau": stats.tau, "acc": stats.accuracy}
-        try:
-            walk = self.walk_tau()
-        except torch.OutOfMemoryError:  # every answer position anchored at once: a report, never a crash
-            walk = None
-            self.observer.event("eval: not enough GPU memory for the decoding-path tau; skipped")
-        if walk is not None:
-            record["tau_walk"] = walk
-        real = self.speculative_eval()
-        if real is not None:
-            record.update(acceptance_length=real.acceptance_length, lossless=real.lossless,
-                          prompts=len(real.prompts), speedup=real.speedup)
-        text = f"eval step {self.step}: simulated tau {stats.tau:.3f} (along the decoding path {walk or 0:.3f}) " \
-               f"acc@1 {stats.accuracy[0]:.3f}"
-        if real is not None:
-            text += (f"; real acceptance length {real.acceptance_length:.3f} over {len(real.prompts)} prompts "
-                     f"(lossless {sum(p.lossless for p in real.prompts)}/{len(real.prompts)})")
-        self.observer.event(text)
-        self.observer.log_eval(record)
-        self.last_eval = record
-        return record
-
-    def speculative_eval(self):
-        """Real greedy speculative decoding of a few held-out prompts (eval.*); None when off or impossible."""
-        from dflash.evaluate import eos_ids_of, evaluate_speculative, prompts_from_tokenized
-
-        e = self.config.eval
-        if not e.speculative_prompts or self.target is None or self.eval_set is None or not self.is_reporter:
-            return None
-        prompts = prompts_from_tokenized(self.eval_set, e.speculative_prompts)
-        if not prompts:
-            return None
-        with torch.no_grad(), self.autocast():
-            return evaluate_speculative(self.target, self.drafter, prompts, e.max_new_tokens, eos_ids_of(self.tokenizer),
-                                        vocab_limit=len(self.tokenizer), check_lossless=False,
-                                        before_prompt=stop.check)
 
 
 def run_to_end(trainer: Trainer) -> dict[str, Any]:

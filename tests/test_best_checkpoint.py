@@ -134,15 +134,15 @@ def small_config(tmp_path) -> RunConfig:
 
 def scripted_real_eval(trainer):
     """The real acceptance length of step N is SCORES[N] (speculative decoding itself: tests/test_speculative.py)."""
-    def speculative_eval():
+    def speculative():
         prompt = SimpleNamespace(lossless=True)
         return SimpleNamespace(acceptance_length=SCORES[trainer.step], lossless=True, prompts=[prompt], speedup=None)
-    return speculative_eval
+    return speculative
 
 
 def test_the_run_keeps_the_best_eval_while_later_worse_ones_are_pruned(tmp_path):
     trainer = Trainer(small_config(tmp_path)).setup()
-    trainer.speculative_eval = scripted_real_eval(trainer)
+    trainer.evaluator.speculative = scripted_real_eval(trainer)
     result = trainer.run()
     assert result["step"] == 8 and result["eval_acceptance_length"] == 1.0
     ckpt = trainer.ckpt
