@@ -14,7 +14,8 @@ def pct(tmp_path, monkeypatch):
     module = load_pct_double("pct_double_strict", tmp_path, monkeypatch)
     template = tmp_path / "rootfs"
     (template / "etc").mkdir(parents=True)
-    monkeypatch.setattr(module, "AVAILABLE", {"debian-12-standard_12.7-1_amd64.tar.zst": str(template)})
+    monkeypatch.setattr(module, "AVAILABLE", {"debian-12-standard_12.7-1_amd64.tar.zst": ("system", str(template)),
+                                             "debian-12-turnkey-core_18.1-1_amd64.tar.gz": ("turnkeylinux", str(template))})
     module.live = False
     monkeypatch.setattr(module, "running", lambda vmid: module.live)
     module.cmd_create("9201", str(template), "--hostname", "ct", "--rootfs", "local-zfs:8", "--cores", "2")
@@ -110,6 +111,9 @@ def test_templates_and_storages(pct, capsys):
     volid = "local:vztmpl/debian-12-standard_12.7-1_amd64.tar.zst"
     assert f"volume '{volid}' does not exist" in refused(capsys, pct.cmd_create, "9300", volid)
     assert "no such template" in refused(capsys, pct.main, ["download", "local", "debian-99.tar.zst"], "pveam")
+    capsys.readouterr()
+    pct.main(["available", "--section", "system"], "pveam")
+    assert capsys.readouterr().out == "system          debian-12-standard_12.7-1_amd64.tar.zst\n"
     pct.main(["download", "local", "debian-12-standard_12.7-1_amd64.tar.zst"], "pveam")
     assert "storage 'local-lvm' does not exist" in refused(capsys, pct.cmd_create, "9300", volid, "--rootfs", "local-lvm:8")
     capsys.readouterr()
@@ -117,3 +121,4 @@ def test_templates_and_storages(pct, capsys):
     assert volid in capsys.readouterr().out
     pct.cmd_create("9300", volid, "--rootfs", "local-zfs:8")
     assert "rootfs: local-zfs:subvol-9300-disk-0,size=8G" in open(pct.conf_path("9300")).read()
+    assert open(os.path.join(pct.STATE, "tasks.log")).read().splitlines()[-1] == f"pct create 9300 {volid}"
