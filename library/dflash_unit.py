@@ -15,7 +15,8 @@ description:
     -p StartLimitIntervalSec= -p RestartPreventExitStatus=2 [-p WatchdogSec= -p NotifyAccess=main] [-p OnFailure=]
     [-p EnvironmentFile=] -p EnvironmentFile=STATE_DIR/environment [-p WorkingDirectory=] [-p User=] -- COMMAND).
     Without C(--collect), so a failed unit and its exit status remain; C(systemctl reset-failed) runs before a
-    relaunch. A fixed C(ExecStopPost=-+) script, given the state directory as its argument, records every end
+    relaunch. A fixed C(ExecStopPost=-+) script, given the state directory, the unit's name and the exit codes of the
+    restart policy V(once) as its arguments, records every end
     (C(exit_status), one line per end in C(events) for the restart and watchdog counts, and the reason the failure hook
     reports), so the status of a unit that ended cleanly (which systemd unloads) is kept too. It is a drop-in,
     C(/run/systemd/system/NAME.service.d/50-dflash-record.conf), written before the launch and read by a
@@ -150,7 +151,8 @@ options:
         the defaults C(bad_input=never), C(data_error=never), C(gpu_error=never), C(cuda_oom=once),
         C(collective_timeout=always), C(unknown=always).
       - V(never) leaves the unit failed (systemd C(RestartPreventExitStatus)); V(once) restarts it at most once per
-        launch (the daemon backend; systemd restarts it within O(restart_burst)); V(always) restarts it as any failure.
+        launch (systemd - the exit recorder stops the unit at the second such end - and the daemon backend alike);
+        V(always) restarts it as any failure.
       - Keys are the classes C(bad_input), C(data_error), C(cuda_oom), C(collective_timeout), C(gpu_error),
         C(unknown); exit 2 (bad input) is never restarted whatever this says.
     type: dict

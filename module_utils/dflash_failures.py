@@ -18,7 +18,8 @@ EXIT_CODES = {
 SIGNAL = "signal"  # killed by a signal: exit status 128+N
 
 # never: the unit stays failed (the input, the data or the GPU does not fix itself); once: restarted at most once
-# per launch, then it stays failed; always: restarted (within the burst), like any other failure.
+# per launch, then it stays failed (systemd: the exit recorder stops the unit at the second such end; the daemon
+# backend: its supervisor); always: restarted (within the burst), like any other failure.
 POLICIES = ("never", "once", "always")
 DEFAULT_POLICY = {
     "bad_input": "never",

@@ -14,8 +14,9 @@ that is not a ``threading`` thread; faulthandler marks the one that took the sig
 Which rank is stuck (``stuck_ranks``, the documented rule): ranks are grouped by the top frame (file and
 function) of their main thread. When some ranks share one frame and others do not, the others are stuck (the
 many wait for the few: a rank in a data read or a deadlock while its peers sit in the collective). When the
-groups are all of one rank, the ranks outside ``torch/distributed`` are stuck (a rank in a collective waits
-for a peer); when that leaves none, or every rank is at the same frame, every rank is named.
+groups are all of one rank, the ranks outside a collective wait (``WAIT_PATHS``: ``torch/distributed``, and the
+backward that waits for DDP's gradient all-reduce) are stuck (a rank in a collective waits for a peer); when that
+leaves none, or every rank is at the same frame, every rank is named.
 
 Standard library only: Ansible ships it to the managed host.
 """
@@ -35,7 +36,10 @@ STACKS_DIR = "stacks"
 HEADER_PREFIX = "# dflash stacks:"
 DUMP_SIGNAL = signal.SIGUSR1
 TOP_FRAMES = 3
-WAIT_PATHS = ("torch/distributed/",)
+# Where a rank waits for its peers: a collective of torch.distributed, and DistributedDataParallel's gradient
+# all-reduce, which the backward waits for inside the autograd engine (a drafter rank whose peer hangs before its
+# backward sits in `_engine_run_backward`, torch/autograd/graph.py).
+WAIT_PATHS = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/")
 RANK_FILE = re.compile(r"^rank-(\d+)\.txt$")
 THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.+)$')

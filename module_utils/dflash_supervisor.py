@@ -217,6 +217,10 @@ def main(argv):
             ends[code] = ends.get(code, 0) + 1
             never = restart.get("never", NO_RESTART_EXIT_STATUS)
             if code in never or (code in restart.get("once", ()) and ends[code] > 1):
+                sys.stderr.write(f"dflash-unit: {failure_class} (exit {code}) "
+                                 + ("ended the job again since its launch: not restarted (restart policy once)\n"
+                                    if code not in never else "is not restarted (restart policy never)\n"))
+                sys.stderr.flush()
                 if code not in NO_RESTART_EXIT_STATUS:  # a class stopped by the policy: its hook runs
                     run_hook(options, words, result, failure_class)
                 return

@@ -39,22 +39,39 @@ from ansible.module_utils.dflash_unit_spec import (
 SHOW_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "ExecMainStatus", "ExecMainCode", "Result", "NRestarts")
 
 
-# Run by systemd as root after every end of the job (a restart included), with the state directory as $0:
-# the exit status (systemd unloads a transient unit that ends cleanly, and its status with it), one line
-# per end in `events` (time, result, how it ended: the restart and watchdog counts), and the reason the
-# on-failure hook reports. A fixed script: the only variable part, the directory, is an argument.
+# Run by systemd as root after every end of the job (a restart included), with the state directory as $0, the
+# unit's name as $1 and the exit codes of the restart policy `once` as $2 (empty: none, or no restarts): the exit
+# status (systemd unloads a transient unit that ends cleanly, and its status with it), one line per end in `events`
+# (time, result, how it ended: the restart and watchdog counts), and the reason the on-failure hook reports.
+# A fixed script: the variable parts (the directory, the unit, the codes) are arguments.
 # The failure class of the end (module_utils/dflash_failures.py) goes into reason.env as DFLASH_FAILURE_CLASS.
 FAILURE_CLASS_CASE = (
     'case "$EXIT_CODE:$EXIT_STATUS" in exited:0) c= ;; '
     + " ".join(f"exited:{code}) c={cls} ;;" for cls, code in sorted(EXIT_CODES.items(), key=lambda item: item[1]))
     + f" exited:*) c=unknown ;; killed:*|dumped:*) c={SIGNAL} ;; *) c= ;; esac; "
 )
+# The policy `once` (systemd has no restart count per exit code): the second end of this launch by a `once` code
+# (counted in `events`, which every launch starts empty) stops the unit. A stop job that runs while the unit is
+# still in its stop-post phase (this script) cancels the pending restart (systemd's forbid_restart) and leaves the
+# unit `failed` with its exit status, and OnFailure= runs; --no-block, or the stop would wait for this script. The
+# script waits (at most 10 s) until that job runs: queued only, it would meet the unit in `auto-restart`, whose
+# stop leaves it inactive, without the failure hook. One line in the job's log (the unit's stdout) says why.
+ONCE_SCRIPT = (
+    'if [ "$EXIT_CODE" = exited ] && [ -n "$1" ]; then for o in $2; do '
+    'if [ "$o" = "$EXIT_STATUS" ] && [ "$(grep -c " exited $o\\$" "$0/events")" -ge 2 ]; then '
+    'echo "dflash-unit: $c (exit $o) ended the job again since its launch: not restarted (restart policy once)"; '
+    'systemctl stop --no-block "$1"; i=0; '
+    'while [ "$i" -lt 100 ] && ! systemctl list-jobs --no-legend "$1" 2>/dev/null | grep -q " running"; '
+    'do sleep 0.1; i=$((i + 1)); done; '
+    "fi; done; fi"
+)
 RECORD_EXIT_SCRIPT = (
     'echo "$EXIT_CODE $EXIT_STATUS" > "$0/exit_status"; '
     'echo "$(date +%s) $SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" >> "$0/events"; '
     + FAILURE_CLASS_CASE
     + 'echo "DFLASH_REASON=$SERVICE_RESULT: $EXIT_CODE $EXIT_STATUS" > "$0/reason.env"; '
-    'echo "DFLASH_FAILURE_CLASS=$c" >> "$0/reason.env"'
+    'echo "DFLASH_FAILURE_CLASS=$c" >> "$0/reason.env"; '
+    + ONCE_SCRIPT
 )
 
 
@@ -163,10 +180,12 @@ def record_dropin_text(spec):
     ``daemon-reload`` would drop the recorder; drop-ins of /run/systemd/system are read again at every reload.
     ``-``: a failed recorder never turns a clean end into a failure."""
     script = RECORD_EXIT_SCRIPT.replace("%", "%%")
+    once = " ".join(str(code) for code in once_exit_status(spec.get("restart") or {}))
     return (
         "# Written by dflash_unit: records every end of " + unit_name(spec["name"]) + "\n"
         "[Service]\n"
-        f"ExecStopPost=-+/bin/sh -c {systemd_quote(script)} {systemd_quote(spec['state_dir'])}\n"
+        f"ExecStopPost=-+/bin/sh -c {systemd_quote(script)} {systemd_quote(spec['state_dir'])} "
+        f"{systemd_quote(unit_name(spec['name']))} {systemd_quote(once)}\n"
     )
 
 
@@ -212,9 +231,16 @@ def restart_properties(spec):
 
 
 def no_restart_exit_status(restart):
-    """The exit codes never restarted: bad input, and the classes whose policy is `never` (module_utils/dflash_failures).
-    `once` is the daemon backend's alone: systemd restarts those classes like any other failure, within the burst."""
+    """The exit codes never restarted: bad input, and the classes whose policy is `never` (module_utils/dflash_failures)."""
     return sorted(set(NO_RESTART_EXIT_STATUS) | set(codes_with(restart.get("classes"), "never")))
+
+
+def once_exit_status(restart):
+    """The exit codes restarted at most once per launch (the policy `once`; the exit recorder stops the unit at the
+    second such end, RECORD_EXIT_SCRIPT); none when the unit is not restarted at all."""
+    if restart.get("policy", "no") == "no":
+        return []
+    return [code for code in codes_with(restart.get("classes"), "once") if code not in no_restart_exit_status(restart)]
 
 
 def systemd_run_args(spec, systemd_run="systemd-run"):

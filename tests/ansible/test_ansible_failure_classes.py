@@ -15,7 +15,7 @@ from ansible.module_utils.dflash_health import failure_class
 from ansible.module_utils.dflash_host import LocalHost
 from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from ansible.module_utils.dflash_unit_spec import parse_environment_file
-from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, systemd_run_args
+from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, record_dropin_text, systemd_run_args
 from conftest import ROOT, tool
 from test_ansible_unit_selfheal import supervisor_gone, wait_for
 
@@ -50,6 +50,9 @@ def daemon(tmp_path):
 def test_out_of_memory_is_restarted_exactly_once_then_stays_failed(daemon):
     spec, status, runs, hook = daemon(4)
     assert runs == 2 and status["restarts"] == 1, status
+    log = open(spec["log_path"]).read()
+    assert log.count("dflash-unit: cuda_oom (exit 4) ended the job again since its launch: not restarted "
+                     "(restart policy once)") == 1
     assert status["active_state"] == "failed" and status["exit_status"] == 4
     assert status["failure_class"] == "cuda_oom"
     assert wait_for(hook.exists) and hook.read_text() == "cuda_oom|exit-code: exited 4\n"
@@ -58,8 +61,9 @@ def test_out_of_memory_is_restarted_exactly_once_then_stays_failed(daemon):
 
 
 def test_a_data_error_is_never_restarted(daemon):
-    _spec, status, runs, hook = daemon(3)
+    spec, status, runs, hook = daemon(3)
     assert runs == 1 and status["restarts"] == 0, status
+    assert "dflash-unit: data_error (exit 3) is not restarted (restart policy never)" in open(spec["log_path"]).read()
     assert status["active_state"] == "failed" and status["failure_class"] == "data_error" and not status["crash_loop"]
     assert wait_for(hook.exists) and hook.read_text() == "data_error|exit-code: exited 3\n"
 
@@ -154,3 +158,57 @@ def test_only_a_policy_other_than_the_defaults_enters_the_launch_hash():
     assert "restart_policy" not in module.supervision(params)
     assert "restart_policy" not in module.supervision({**params, "restart_policy": dict(DEFAULT_POLICY)})
     assert module.supervision({**params, "restart_policy": {"cuda_oom": "never"}})["restart_policy"]["cuda_oom"] == "never"
+
+
+FAKE_SYSTEMCTL = """#!/bin/sh
+echo "$*" >> "$FAKE_CALLS"
+case "$1" in stop) touch "$FAKE_CALLS.stopping" ;; list-jobs) [ -e "$FAKE_CALLS.stopping" ] && echo "  93 $3 stop running" ;; esac
+exit 0
+"""
+
+
+def _end(state, bin_dir, code, status, once="4", unit="j.service"):
+    """One end of the unit as systemd reports it to ExecStopPost's script, with the drop-in's arguments."""
+    env = {"EXIT_CODE": code, "EXIT_STATUS": status, "SERVICE_RESULT": "exit-code", "PATH": f"{bin_dir}:/usr/bin:/bin",
+           "FAKE_CALLS": str(bin_dir / "calls")}
+    out = subprocess.run(["/bin/sh", "-c", RECORD_EXIT_SCRIPT, str(state), unit, once], env=env, check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    calls = (bin_dir / "calls").read_text().splitlines() if (bin_dir / "calls").exists() else []
+    return out, calls
+
+
+def test_the_systemd_recorder_stops_the_unit_at_the_second_end_of_a_once_class(tmp_path):
+    """`once` under systemd: the exit recorder counts this launch's ends per exit code (`events`) and, at the second
+    end by a `once` code, stops the unit (--no-block: the stop cancels the pending restart) and waits until that stop
+    job runs; the first end, other codes and a launch without `once` codes are restarted as usual."""
+    state, bin_dir = tmp_path / "state", tmp_path / "bin"
+    state.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (bin_dir / "systemctl").chmod(0o755)
+    assert _end(state, bin_dir, "exited", "4") == ("", [])  # the first out-of-memory end: restarted
+    assert _end(state, bin_dir, "exited", "1")[1] == []  # another class
+    assert _end(state, bin_dir, "killed", "KILL")[1] == []
+    assert _end(state, bin_dir, "exited", "4", once="")[1] == []  # no `once` code (the policy, or Restart=no)
+    (state / "events").write_text("1 exit-code exited 4\n")  # a new launch: one end so far
+    out, calls = _end(state, bin_dir, "exited", "4")
+    assert out == "dflash-unit: cuda_oom (exit 4) ended the job again since its launch: not restarted (restart policy once)\n"
+    assert calls[0] == "stop --no-block j.service" and calls[-1] == "list-jobs --no-legend j.service"
+    assert parse_environment_file((state / "reason.env").read_text())["DFLASH_FAILURE_CLASS"] == "cuda_oom"
+    # several `once` codes: each counted on its own
+    (state / "events").write_text("1 exit-code exited 4\n")
+    (bin_dir / "calls").unlink()
+    (bin_dir / "calls.stopping").unlink()
+    assert _end(state, bin_dir, "exited", "5", once="4 5")[1] == []
+    assert _end(state, bin_dir, "exited", "5", once="4 5")[1][0] == "stop --no-block j.service"
+
+
+def test_the_recorder_drop_in_gives_the_unit_and_the_once_codes():
+    spec = {"name": "j", "command": ["/bin/true"], "log_path": "/var/log/j.log", "state_dir": "/var/lib/dflash-units/j",
+            "restart": {"policy": "on-failure", "delay": 5, "burst": 3, "interval": 300}}
+    line = record_dropin_text(spec).splitlines()[-1]
+    assert line.endswith('"/var/lib/dflash-units/j" "j.service" "4"'), line
+    spec["restart"]["classes"] = restart_policy({"cuda_oom": "never", "collective_timeout": "once", "unknown": "once"})
+    assert record_dropin_text(spec).splitlines()[-1].endswith('"j.service" "1 5"')
+    spec["restart"] = {"policy": "no"}
+    assert record_dropin_text(spec).splitlines()[-1].endswith('"j.service" ""')

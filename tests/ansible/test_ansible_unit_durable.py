@@ -100,7 +100,7 @@ def test_the_exit_recorder_is_a_drop_in_seen_before_the_unit_starts(tmp_path, fa
     assert not any(a.startswith("ExecStopPost") for a in next(c for c in unit.host.calls if c[0] == "systemd-run"))
     # a unit-file line: % doubled (a specifier otherwise), ignore its failure, run as root
     line = record_dropin_text(spec).splitlines()[-1]
-    assert line.startswith('ExecStopPost=-+/bin/sh -c "') and "date +%%s" in line and line.endswith(f' "{tmp_path}/state"')
+    assert line.startswith('ExecStopPost=-+/bin/sh -c "') and "date +%%s" in line and (f' "{tmp_path}/state" "dflash-train.service" ' in line)
 
 
 def test_the_failure_hook_unit_is_root_only(tmp_path, fake_host, systemd_dirs):

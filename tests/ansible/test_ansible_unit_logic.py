@@ -96,8 +96,9 @@ def test_systemd_run_command_line():
     assert not any(word.startswith("ExecStopPost") for word in systemd_run_args(spec))
     assert record_dropin_text(spec).splitlines()[1:] == [
         "[Service]",
-        'ExecStopPost=-+/bin/sh -c "' + RECORD_EXIT_SCRIPT.replace("%", "%%").replace('"', '\\"')
-        + '" "/var/lib/dflash-units/dflash-train"',
+        'ExecStopPost=-+/bin/sh -c "' + RECORD_EXIT_SCRIPT.replace("%", "%%").replace("\\", "\\\\").replace('"', '\\"')
+        # the state directory ($0), the unit ($1) and the exit codes restarted at most once ($2: cuda_oom's)
+        + '" "/var/lib/dflash-units/dflash-train" "dflash-train.service" "4"',
     ]
     # no environment value on the command line (it is world-readable in /proc)
     assert not any("b c" in word or "/opt/dflash/current" in word for word in systemd_run_args(spec))

@@ -49,8 +49,9 @@ def test_plain_job_names_pass():
 def test_the_exit_recorder_is_a_fixed_script_and_the_directory_only_its_argument(tmp_path):
     spec = {"name": "j", "command": ["/bin/true"], "log_path": "/var/log/j.log", "state_dir": str(tmp_path / "state")}
     post = next(line for line in record_dropin_text(spec).splitlines() if line.startswith("ExecStopPost="))
-    script = RECORD_EXIT_SCRIPT.replace("%", "%%").replace(chr(34), chr(92) + chr(34))
-    assert post == f'ExecStopPost=-+/bin/sh -c "{script}" "{tmp_path}/state"'
+    script = RECORD_EXIT_SCRIPT.replace("%", "%%").replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))
+    # the state directory, the unit's name and the exit codes restarted at most once (none: no restarts) as arguments
+    assert post == f'ExecStopPost=-+/bin/sh -c "{script}" "{tmp_path}/state" "j.service" ""'
     # the script run the way systemd runs it: the directory is data ($0), whatever it holds
     odd = tmp_path / "we;ird $(touch pwned)"
     odd.mkdir()
