@@ -245,7 +245,7 @@ class FeatureSource(Protocol):
 class TargetFeatures:
     """A target in this process as an evaluation's feature source."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target | None):
         self.target = target
 
     def features(self, batch: Batch) -> torch.Tensor:

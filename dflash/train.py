@@ -29,7 +29,7 @@ from dflash.data.buckets import Batch
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
 from dflash.errors import BadInput, Diverged
-from dflash.evaluate import Evaluator
+from dflash.evaluate import Evaluator, TargetFeatures
 from dflash.float8 import check_float8, convert_linears, float8_linears
 from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
@@ -84,11 +84,12 @@ class InputSource(Protocol):
         """After the last step."""
 
 
-class LocalTarget:
-    """The target in this process (single process, colocated ranks): features of the rank's own batches."""
+class LocalTarget(TargetFeatures):
+    """The target in this process (single process, colocated ranks): features of the rank's own batches (its
+    features, embedding and LM head as an evaluation reads them: `TargetFeatures`)."""
 
     def __init__(self) -> None:
-        self.target: Target | None = None
+        super().__init__(None)  # loaded by `open`
 
     def open(self, config: RunConfig, layer_ids: list[int], device: torch.device) -> Target:
         c = config
@@ -109,15 +110,6 @@ class LocalTarget:
         epoch, blen, idx = self.sampler.next()
         batch = self.inputs.batch(blen, idx).to(self.device)
         return epoch, batch, self.features(batch)
-
-    def features(self, batch: Batch) -> torch.Tensor:
-        return self.target.features(batch.input_ids, None)  # right-padded rows: see `Target.features`
-
-    def embed_tokens(self) -> torch.nn.Embedding:
-        return self.target.embed_tokens
-
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.target.lm_head.weight
 
     def finish(self) -> None:
         pass

@@ -98,3 +98,21 @@ def tiny_config(tiny_dict, tmp_path):
     cfg = _build(__import__("dflash.config", fromlist=["RunConfig"]).RunConfig, tiny_dict, "")
     validate(cfg)
     return cfg
+
+
+@pytest.fixture
+def fresh_signal_handlers():
+    """The stop signals at their defaults (a fresh process's state, whatever earlier tests in this worker left
+    installed), and every handler a test changes - SIGUSR1 and SIGABRT too, which the launcher passes on to its
+    workers (dflash/stacks.py) - put back after it; no stop request stays latched for a later test."""
+    import signal
+
+    from dflash import stop
+
+    saved = {s: signal.getsignal(s) for s in (*stop.SIGNALS, signal.SIGUSR1, signal.SIGABRT)}
+    for s in stop.SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+    stop._STOP.signum = None

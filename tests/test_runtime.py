@@ -12,17 +12,7 @@ import pytest
 
 from dflash import logs, stop, torchrun
 
-
-@pytest.fixture(autouse=True)
-def restore_handlers():
-    # the launcher also passes SIGUSR1 and SIGABRT on to its workers (dflash/stacks.py): put those back too
-    saved = {s: signal.getsignal(s) for s in (*stop.SIGNALS, signal.SIGUSR1, signal.SIGABRT)}
-    for s in stop.SIGNALS:  # a fresh process's state, whatever earlier tests in this one left installed
-        signal.signal(s, signal.SIG_DFL)
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-    stop._STOP.signum = None  # no request of these tests stays latched for a later command of this process
+pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")  # tests/conftest.py
 
 
 def test_under_raising_a_stop_ends_the_work_at_once():

@@ -7,16 +7,7 @@ import pytest
 
 from dflash import stop
 
-
-@pytest.fixture(autouse=True)
-def restore_handlers():
-    saved = {s: signal.getsignal(s) for s in stop.SIGNALS}
-    for s in stop.SIGNALS:  # a fresh process's state, whatever earlier tests in this one left installed
-        signal.signal(s, signal.SIG_DFL)
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-    stop._STOP.signum = None  # no request of these tests stays latched for a later trainer of this process
+pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")  # tests/conftest.py
 
 
 def test_a_signal_during_start_up_is_kept_by_the_trainers_handler():
