@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dflash.logs import get_logger
-from dflash.loss import Blocks, BlockStats, weighted_block_loss
+from dflash.loss import Blocks, BlockStats
 
 log = get_logger(__name__)
 
@@ -117,9 +117,10 @@ class StepGraphs:
     def step(self, features: torch.Tensor, blocks: Blocks, weight: float) -> tuple[torch.Tensor, BlockStats] | None:
         """Run the whole optimizer step (forward to AdamW) from the graph of this shape; None when this step
         must run kernel by kernel (a new shape, too many shapes, a failed capture): the caller runs it."""
-        if self.failed is not None or blocks.row_index().numel() == 0:
+        rows = int(blocks.row_index().numel())
+        if self.failed is not None or rows == 0:
             return None
-        padded = padded_blocks(blocks, row_capacity(int(blocks.row_index().numel())))
+        padded = padded_blocks(blocks, row_capacity(rows))
         key = (tuple(features.shape), features.dtype, tuple(padded.block_ids.shape), int(padded.rows.numel()))
         g = self.graphs.get(key)
         if g is None:
@@ -145,19 +146,10 @@ class StepGraphs:
     def _body(self, g: _Graph) -> None:
         """What the graph holds: the trainer's step on the static inputs (no host-device sync inside)."""
         t = self.trainer
-        c = t.config
-        with t.autocast():
-            hidden = t.train_model(g.features, g.blocks.block_ids, g.blocks.anchors, t.source.embed_tokens(),
-                                   t.attention_kind, t._flex)
-            loss, correct = weighted_block_loss(hidden, t.source.lm_head_weight(), g.blocks, t.gamma,
-                                                c.drafter.loss_chunk_size, c.drafter.loss_impl)
+        loss, correct = t.blocks_loss(g.features, g.blocks, t.train_model)
         (loss * g.weight).backward()
-        params = [p for p in t.drafter.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        torch._foreach_mul_(grads, g.scale)
-        torch.nn.utils.clip_grad_norm_(params, c.optim.grad_clip, foreach=True)
-        t.optimizer.step()
-        g.loss, g.stats, g.grads = loss.detach(), BlockStats.of(correct, g.blocks), grads
+        g.grads = t.optimizer_step(g.scale, schedule=False)  # the scheduler steps outside, on the host
+        g.loss, g.stats = loss.detach(), BlockStats.of(correct, g.blocks)
 
     # ------------------------------------------------------------------------------------------ capture
     def _static(self, features: torch.Tensor, blocks: Blocks, weight: float) -> _Graph:
@@ -192,13 +184,9 @@ class StepGraphs:
             side = torch.cuda.Stream(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(side):
-                with t.autocast():
-                    hidden = t.train_model(g.features, g.blocks.block_ids, g.blocks.anchors,
-                                           t.source.embed_tokens(), t.attention_kind, t._flex)
-                    loss, _ = weighted_block_loss(hidden, t.source.lm_head_weight(), g.blocks, t.gamma,
-                                                  t.config.drafter.loss_chunk_size, t.config.drafter.loss_impl)
+                loss, _ = t.blocks_loss(g.features, g.blocks, t.train_model)
                 (loss * g.weight).backward()
-                del hidden, loss
+                del loss
             torch.cuda.current_stream(t.device).wait_stream(side)
             t.optimizer.zero_grad(set_to_none=True)
             graph = torch.cuda.CUDAGraph()

@@ -458,12 +458,12 @@ class Trainer:
     def prepare_blocks(self, batch: Batch, generator: torch.Generator):
         """The host half of a micro-batch's loss (`dflash.loss.BlockPass.prepare`: anchors and blocks from the
         host copy, the GPU never waited for; the blocks sent to the device), and this micro-batch's FLOPs and loss
-        weight. Returns (anchors, valid, blocks on the device)."""
+        weight. Returns the blocks on the device."""
         p = self.block_pass.prepare(batch, generator)
         self.last_flops = drafter_step_flops(self.drafter.arch, int(batch.on_host.lengths.sum()), p.anchors, p.valid,
                                              p.on_host.num_rows)
         self.last_weight = self.loss_weight(p.on_host.label_valid)
-        return p.anchors, p.valid, p.blocks
+        return p.blocks
 
     def blocks_loss(self, features: torch.Tensor, blocks: Blocks, model=None):
         """The device half: drafter forward and the weighted block loss. Returns (loss, correct)."""
@@ -474,18 +474,22 @@ class Trainer:
                      model=None) -> tuple[torch.Tensor, BlockStats]:
         """Loss and stats of one training micro-batch given its target features (shared by every topology; the
         pass is `dflash.loss.BlockPass`, which the evals share)."""
-        _, _, blocks = self.prepare_blocks(batch, generator)
+        blocks = self.prepare_blocks(batch, generator)
         loss, correct = self.blocks_loss(features, blocks, model)
         return loss, BlockStats.of(correct, blocks)
 
-    def optimizer_step(self, grad_scale: float = 1.0) -> None:
-        """Scale the accumulated gradients (the loss normaliser), clip, step."""
+    def optimizer_step(self, grad_scale: float | torch.Tensor = 1.0, schedule: bool = True) -> list[torch.Tensor]:
+        """Scale the accumulated gradients (the loss normaliser; a 0-d tensor inside a CUDA graph), clip, step, and
+        advance the learning-rate schedule unless `schedule` is false (a graph holds no host-side step). Returns
+        the gradients it stepped with."""
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
-        if grad_scale != 1.0 and grads:
+        if grads and (isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0):
             torch._foreach_mul_(grads, grad_scale)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.optim.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
+        if schedule:
+            self.scheduler.step()
+        return grads
 
     def loss_weight(self, label_valid: torch.Tensor) -> float:
         """Sum of the position weights of the valid labels (b, m, B-1), on the host: the denominator of this
@@ -516,7 +520,7 @@ class Trainer:
             # micro-batch k of rank r is item k*world_size + r of the global batch: its anchors do not depend
             # on how the global batch is split
             generator = step_generator(c.seed, self.step, k * self.world_size + self.rank)
-            _, _, blocks = self.prepare_blocks(batch, generator)
+            blocks = self.prepare_blocks(batch, generator)
             self.step_flops += self.last_flops.training
             weight = self.last_weight
             # the whole step (forward to AdamW) from a CUDA graph where it can (dflash/step_graph.py)
