@@ -204,5 +204,5 @@ class StepGraphs:
             return None
         self.graphs[key] = g
         log.info(f"compile: drafter step captured in a CUDA graph for features {tuple(features.shape)}, "
-                 f"{int(blocks.rows.numel())} loss rows")
+                 f"label rows padded to {int(blocks.rows.numel())}")
         return g

@@ -2,10 +2,12 @@
 padded label rows, copied inputs and the trainer's own clip and AdamW give the step the trainer takes without
 it. The capture itself needs a GPU (bench/step_graph_check.py runs it there)."""
 
+import pytest
 import torch
 
 from dflash import step_graph
 from dflash.config import load_config
+from dflash.errors import ConfigError
 from dflash.loss import Blocks, weighted_block_loss
 from dflash.train import Trainer
 
@@ -62,3 +64,8 @@ def test_unsupported_runs_say_why(tmp_path):
     assert "not CUDA" in step_graph.unsupported(t)
     t.config.compile.step_graph = False
     assert step_graph.for_trainer(t) is None
+
+
+def test_a_shape_limit_below_one_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"compile.step_graph_shapes must be >= 1 \(got 0\).*compile.step_graph=false"):
+        load_config(TINY, ["compile.step_graph_shapes=0"])
