@@ -46,6 +46,10 @@ CANDIDATES: list[tuple[str, dict]] = [
     ("fwd 128/128 s2 w8", fwd(128, 128, 2, 8)),
     ("fwd 64/128 s3 w4", fwd(64, 128, 3, 4)),
     ("fwd tma", {"fwd_USE_TMA": True}),
+    # FlashAttention-4's CuTe DSL kernels behind flex_attention (torch's BACKEND="FLASH"; needs flash-attn-4)
+    ("tuned", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+               "bwd_num_stages": 2, "bwd_num_warps": 4}),  # dflash's choice on Hopper (TUNED_FLEX_OPTIONS)
+    ("flash", {"BACKEND": "FLASH"}),
 ]
 
 
