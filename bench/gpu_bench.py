@@ -240,7 +240,8 @@ def _drafter_setup(args):
 
 # kernel name -> category of the profile breakdown (first match wins)
 KERNEL_CATEGORIES = [
-    ("flex attention", ("flex_attention", "flex_decoding", "triton_tem_fused")),
+    ("flex attention", ("flex_attention", "flex_decoding", "triton_tem_fused", "flashattention", "flash_attn",
+                        "flash_fwd", "flash_bwd")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "l2norm")),
     ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "sm80_xmma", "wgmma")),
     ("fused elementwise (inductor)", ("triton_poi", "triton_per", "triton_red")),
@@ -329,7 +330,7 @@ def sec_drafter(args):
     from dflash.compile import CompilePlan, configure
     from dflash.flops import drafter_step_flops
     from dflash.loss import weighted_block_loss
-    from dflash.models.attention import compiled_flex_attention, flex_options_for
+    from dflash.models.attention import FLASH_OPTIONS, compiled_flex_attention, flex_options_for
 
     arch, drafter, embed, head, feats, blocks, seq = _drafter_setup(args)
     dev = device()
@@ -363,7 +364,12 @@ def sec_drafter(args):
                 ("flex+compile+fusedce+tiles+fp8+graph", "flex", "forward", "fused"),
                 # "+fp8skip": float8 except the layers named by --fp8-skip (name suffixes)
                 ("flex+compile+fusedce+tiles+fp8skip", "flex", "forward", "fused"),
-                ("flex+compile+fusedce+tiles+fp8skip+graph", "flex", "forward", "fused")]
+                ("flex+compile+fusedce+tiles+fp8skip+graph", "flex", "forward", "fused"),
+                # "+flash": flex_attention on FlashAttention-4's kernels (compile.flex_backend, flash-attn-4)
+                ("flex+compile+fusedce+flash", "flex", "forward", "fused"),
+                ("flex+compile+fusedce+flash+graph", "flex", "forward", "fused"),
+                ("flex+compile+fusedce+flash+fp8", "flex", "forward", "fused"),
+                ("flex+compile+fusedce+flash+fp8+graph", "flex", "forward", "fused")]
     if dev.type != "cuda":
         variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("sdpa-dense+fusedce", "sdpa", None, "fused")]
     grads = {}
@@ -375,7 +381,7 @@ def sec_drafter(args):
         tokens = set(name.split("+"))
         fp8 = ("rowwise" if "fp8row" in tokens else "tensorwise" if tokens & {"fp8", "fp8skip"} else None)
         skip = tuple(x for x in args.fp8_skip.split(",") if x) if "fp8skip" in tokens else ()
-        return {"tiles": "tiles" in tokens, "graph": "graph" in tokens, "fp8": fp8, "fp8_skip": skip,
+        return {"tiles": "tiles" in tokens, "flash": "flash" in tokens, "graph": "graph" in tokens, "fp8": fp8, "fp8_skip": skip,
                 "eager_ce": "eagerce" in tokens}
 
     def prepare(compile_mode, fresh=False, fp8=None, fp8_skip=()):
@@ -398,10 +404,12 @@ def sec_drafter(args):
             return model, torch.compile(model.forward, mode="max-autotune-no-cudagraphs")
         return model, (torch.compile(model.forward) if compile_mode == "forward" else model.forward)
 
-    def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False, tiles=False, graph=False):
+    def step_fn(model, fwd, kind, impl, opt=None, eager_ce=False, tiles=False, graph=False, flash=False):
         # "+tiles": flex_attention with --flex-options (JSON kernel_options, default: dflash's tuned choice)
         options = (json.loads(args.flex_options) if args.flex_options else
                    flex_options_for(None, dev, arch.head_dim)) if tiles else {}
+        if flash:
+            options = dict(FLASH_OPTIONS)
         flex = compiled_flex_attention("default", options) if (kind == "flex" and dev.type == "cuda") else None
 
         def step(zero=True):
@@ -441,7 +449,8 @@ def sec_drafter(args):
         f = flags(name)
         model, fwd = prepare(compile_mode, fp8=f["fp8"], fp8_skip=f["fp8_skip"])
         t0 = time.perf_counter()
-        loss = step_fn(model, fwd, kind, impl, eager_ce=f["eager_ce"], tiles=f["tiles"])()
+        loss = step_fn(model, fwd, kind, impl, eager_ce=f["eager_ce"], tiles=f["tiles"],
+                       flash=f["flash"])()
         sync()
         first = time.perf_counter() - t0
         grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters()])
@@ -454,7 +463,8 @@ def sec_drafter(args):
             graph = f["graph"]
             model, fwd = prepare(compile_mode, fresh=graph, fp8=f["fp8"], fp8_skip=f["fp8_skip"])
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda", capturable=graph)
-            step = step_fn(model, fwd, kind, impl, opt, eager_ce=f["eager_ce"], tiles=f["tiles"], graph=graph)
+            step = step_fn(model, fwd, kind, impl, opt, eager_ce=f["eager_ce"], tiles=f["tiles"], graph=graph,
+                           flash=f["flash"])
             if args.loss_trace and not graph:  # training steps from the initial weights: numerics compared
                 out["variants"][name]["loss_trace"] = [float(step().detach()) for _ in range(args.loss_trace)]
                 trace = " ".join(f"{x:.4f}" for x in out["variants"][name]["loss_trace"])

@@ -103,14 +103,14 @@ class EagerFallback:
         except Exception as exc:
             if not is_compile_error(exc):
                 raise
-            self.failed = _one_line(exc)
+            self.failed = one_line(exc)
             log.warning("compile: %s could not be compiled (%s); %s", self.name, self.failed, self.then)
             if self.undo is not None:
                 self.undo()
             return self.eager(*args, **kwargs)
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
+def one_line(exc: BaseException, limit: int = 300) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     first = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])  # "backend raised:" + cause
     text = f"{type(exc).__name__}: {' '.join(first.split())}"
@@ -207,6 +207,20 @@ def compile_drafter(drafter: nn.Module, mode: str, backend: str | Callable = "in
 
 
 # ----------------------------------------------------------------------------------------- kernel cache
+def flash_version() -> str | None:
+    """flash-attn-4's version where its CuTe DSL kernels (flex_attention's FLASH backend) are importable, else
+    None."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("flash_attn.cute") is None:
+            return None
+        return importlib.metadata.version("flash-attn-4")
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        return None
+
+
 def cache_key(device: torch.device) -> str:
     """torch, Triton and GPU: kernels compiled under one key are valid for exactly that key."""
     parts = [f"torch-{torch.__version__}"]
@@ -216,6 +230,8 @@ def cache_key(device: torch.device) -> str:
         parts.append(f"triton-{triton.__version__}")
     except ImportError:
         parts.append("triton-none")
+    if (flash := flash_version()) is not None:  # its kernels are in the generated code inductor caches
+        parts.append(f"fa4-{flash}")
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -177,6 +177,9 @@ class CompileConfig:
     drafter_mode: str = "default"  # torch.compile mode of the drafter forward and of flex_attention
     cache_dir: str | None = None  # inductor/Triton kernel cache; default OUTPUT_DIR/compile-cache (kept across restarts)
     flex_kernel_options: dict[str, Any] | None = None  # flex_attention tiles; null = dflash's measured choice for the GPU, {} = torch's
+    # flex_attention's kernels: auto = FlashAttention-4's (flash-attn-4) where installed on a Hopper or newer GPU
+    # and they pass a start-up check against the Triton kernels, else triton; flash = those or an error
+    flex_backend: Literal["auto", "triton", "flash"] = "auto"
     # the drafter's whole step (forward, loss, backward, clip, AdamW) replayed from a CUDA graph per input shape;
     # null = on where the run allows it (CUDA, one rank, optim.grad_accum 1), false = never (dflash/step_graph.py)
     step_graph: bool | None = None
@@ -516,6 +519,9 @@ def validate(config: RunConfig) -> None:
              f"(got {config.logging.eval_interval})")
     if config.compile.flex_kernel_options is not None:
         check_flex_options(config.compile.flex_kernel_options)
+        _require(not (config.compile.flex_backend == "flash" and config.compile.flex_kernel_options),
+                 "compile.flex_kernel_options sets Triton tiles but compile.flex_backend is flash (FlashAttention-4 "
+                 "picks its own tiles); remove the tiles or set compile.flex_backend=triton")
     _require(config.compile.step_graph_shapes >= 1, f"compile.step_graph_shapes must be >= 1 (got "
              f"{config.compile.step_graph_shapes}); set compile.step_graph=false to capture none")
     validate_topology(config.topology)

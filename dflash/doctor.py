@@ -57,6 +57,15 @@ def collect() -> dict[str, Any]:
         info[package.key] = importable[package.name]
     info["kernels"] = importable
     have_all = all(importable.values())
+    from dflash.compile import flash_version
+    from dflash.models.attention import FLASH_HEAD_DIMS, flash_unusable
+
+    info["flash_attn_4"] = flash_version()
+    if torch.cuda.is_available():
+        why = flash_unusable(torch.device("cuda", 0), FLASH_HEAD_DIMS[-1])
+        info["flex_backend"] = "flash" if why is None else f"triton ({why})"
+    else:
+        info["flex_backend"] = "triton (no GPU)" if info["flash_attn_4"] is None else "triton (no GPU to run flash)"
     if torch.cuda.is_available():
         report = probe_fast_path(torch.device("cuda", 0))
         info["fast_path"] = report.fast
@@ -81,5 +90,6 @@ def render(info: dict[str, Any]) -> str:
         lines.append("GPUs: none visible")
     lines.append(f"distributed backends: {info['distributed_backends']}")
     lines.append("; ".join(f"{name}: {'yes' if ok else 'no'}" for name, ok in info["kernels"].items()))
+    lines.append(f"drafter attention kernels (compile.flex_backend=auto, head_dim 128): {info['flex_backend']}")
     lines.append(f"hybrid fast path: {'YES' if info['fast_path'] else 'NO'} ({info['fast_path_detail']})")
     return "\n".join(lines)

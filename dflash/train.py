@@ -23,7 +23,7 @@ import torch
 
 from dflash import failures, step_graph, stop
 from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
-from dflash.compile import compile_drafter, compile_target_layers, configure_for_run
+from dflash.compile import compile_drafter, compile_target_layers, configure_for_run, flash_version
 from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, default_gamma
 from dflash.data.buckets import Batch
 from dflash.data.chat import TokenizedSet
@@ -36,7 +36,14 @@ from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
 from dflash.loss import BlockPass, Blocks, BlockStats, autocast_for, position_weights, step_generator
 from dflash.metrics import InputTimer, MetricsWindow, StepResult
-from dflash.models.attention import compiled_flex_attention, flex_options_for, resolve_kind
+from dflash.models.attention import (
+    FLASH_OPTIONS,
+    compiled_flex_attention,
+    flex_options_for,
+    probe_flash,
+    resolve_flex_backend,
+    resolve_kind,
+)
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model, require_fast_path
 from dflash.notify import Notifier
@@ -325,14 +332,32 @@ class Trainer:
         plan = self.compile_plan
         self._flex = None
         if self.attention_kind == "flex" and plan.flex:
-            tiles = flex_options_for(c.compile.flex_kernel_options, self.device, self.drafter.arch.head_dim)
-            self._flex = compiled_flex_attention(plan.drafter_mode, tiles)
-            log.info(f"compile: flex_attention kernel options {tiles or 'torch defaults'}")
+            self._flex = compiled_flex_attention(plan.drafter_mode, self._flex_kernel_options(plan.drafter_mode))
         if plan.drafter:  # the whole forward (measured faster than per layer); the BlockMask stays eager
             compile_drafter(self.drafter, plan.drafter_mode)
         d = c.drafter
         self.block_pass = BlockPass(self.drafter, d.block_size, self.gamma, d.num_anchors, d.loss_chunk_size,
                                     d.loss_impl, self.attention_kind, self.device, self._flex)
+
+    def _flex_kernel_options(self, mode: str) -> dict:
+        """flex_attention's kernel options: FlashAttention-4's kernels where they run here and pass the start-up
+        check (dflash.models.attention.probe_flash), else the Triton tiles. One log line says which and why."""
+        c, arch = self.config.compile, self.drafter.arch
+        backend, why = resolve_flex_backend(c.flex_backend, self.device, arch.head_dim)
+        if backend == "flash":
+            t0 = time.monotonic()
+            why = probe_flash(mode, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
+                              arch.block_size, self.device)
+            if why is None:
+                log.info(f"compile: flex_attention on FlashAttention-4's kernels (flash-attn-4 {flash_version()}; "
+                         f"checked against the Triton kernels in {time.monotonic() - t0:.0f}s)")
+                return dict(FLASH_OPTIONS)
+            log.warning(f"compile: FlashAttention-4's kernels failed their start-up check ({why}); flex_attention "
+                        "runs on the Triton kernels. Set compile.flex_backend=triton to skip the check")
+        tiles = flex_options_for(c.flex_kernel_options, self.device, arch.head_dim)
+        log.info(f"compile: flex_attention kernel options {tiles or 'torch defaults'}"
+                 + (f" (Triton: {why})" if why and self.device.type == "cuda" else ""))
+        return tiles
 
     def _build_optimizer(self) -> None:
         o = self.config.optim

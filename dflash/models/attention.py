@@ -208,6 +208,97 @@ def flex_options_for(setting: dict | None, device: torch.device, head_dim: int) 
     return dict(TUNED_FLEX_OPTIONS.get((torch.cuda.get_device_capability(index), head_dim), {}))
 
 
+# flex_attention's kernels: torch's Triton templates, or FlashAttention-4's CuTe DSL kernels (torch's BACKEND="FLASH",
+# the flash-attn-4 package) on Hopper and Blackwell: the attention kernels of the drafter's step 12.1 ms against
+# 18.5 with Triton at the Qwen3-8B drafter's training shape on an H200 (docs/PERFORMANCE.md). FA4 builds each
+# kernel for a head_dim; auto uses it for the one measured in training (forward and backward): 128, every
+# published drafter's.
+FLEX_BACKENDS = ("auto", "triton", "flash")
+FLASH_HEAD_DIMS = (128,)
+FLASH_MIN_CAPABILITY = 9
+FLASH_INSTALL = "pip install --pre 'dflash-trainer[flash]' (flash-attn-4 and NVIDIA's CuTe DSL)"
+
+
+def flash_unusable(device: torch.device, head_dim: int) -> str | None:
+    """Why the FLASH backend cannot run the drafter's attention here (None: it can)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the run is on {device.type}, FlashAttention-4 needs a CUDA GPU"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < FLASH_MIN_CAPABILITY:
+        return f"the GPU is sm_{major}{minor}; FlashAttention-4 needs Hopper (sm_90) or newer"
+    if head_dim not in FLASH_HEAD_DIMS:
+        return f"the drafter's head_dim is {head_dim}; FlashAttention-4 runs here for {FLASH_HEAD_DIMS}"
+    from dflash.compile import flash_version
+
+    if flash_version() is None:
+        return f"flash-attn-4 is not installed ({FLASH_INSTALL})"
+    return None
+
+
+def resolve_flex_backend(requested: str, device: torch.device, head_dim: int) -> tuple[str, str | None]:
+    """(backend, why not flash): `auto` is flash where it can run, else triton; `flash` where it cannot is an
+    error (BadInput) naming the reason and the fix."""
+    from dflash.errors import BadInput
+
+    if requested not in FLEX_BACKENDS:
+        raise BadInput(f"compile.flex_backend: {requested!r}; expected one of {', '.join(FLEX_BACKENDS)}")
+    if requested == "triton":
+        return "triton", "compile.flex_backend=triton"
+    why = flash_unusable(device, head_dim)
+    if requested == "flash" and why is not None:
+        raise BadInput(f"compile.flex_backend=flash but {why}; install it or set compile.flex_backend=auto")
+    return ("triton", why) if why is not None else ("flash", None)
+
+
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+
+
+def probe_flash(mode: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                device: torch.device, tolerance: float = 2e-2) -> str | None:
+    """Runs the FLASH backend once, forward and backward, on a small batch of the drafter's mask at its head
+    layout, against the Triton kernels: None when both agree, else why not (a compile error, a kernel of an
+    flash-attn-4 that does not match this torch, a wrong result). The kernels it builds are the ones the
+    training shapes reuse (FA4 compiles per head layout and mask, not per length)."""
+    from dflash.compile import is_compile_error, one_line
+
+    ctx, m = 256, 8
+    gen = torch.Generator(device=device).manual_seed(0)
+    anchors = torch.linspace(16, ctx - 16, m, device=device).long()[None]
+    lq, lk = m * block_size, ctx + m * block_size
+    mask = flex_block_mask(anchors, ctx, block_size)
+    q, k, v, grad = (torch.randn(1, h, n, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+                     for h, n in ((num_heads, lq), (num_kv_heads, lk), (num_kv_heads, lk), (num_heads, lq)))
+    results = []
+    for options in (FLASH_OPTIONS, None):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        fn = _compiled_flex_unguarded(mode, options)
+        try:
+            out = fn(qq, kk, vv, block_mask=mask, enable_gqa=num_heads != num_kv_heads)
+            out.backward(grad)
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - any failure of the optional kernels means: do not use them
+            if options is None and not is_compile_error(exc):
+                raise
+            return one_line(exc)
+        results.append([out.detach().float(), qq.grad.float(), kk.grad.float(), vv.grad.float()])
+    worst = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(*results, strict=True))
+    if not worst < tolerance:
+        return f"its result differs from the Triton kernels' by {worst:.2e} (relative), above {tolerance:.0e}"
+    return None
+
+
+def _compiled_flex_unguarded(mode: str, kernel_options: dict | None):
+    """flex_attention compiled with `kernel_options`, without a fallback (the probe wants the error)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.compile import torch_mode
+
+    fn = functools.partial(flex_attention, kernel_options=dict(kernel_options)) if kernel_options else flex_attention
+    return torch.compile(fn, dynamic=False, mode=torch_mode(mode))
+
+
 _COMPILED_FLEX: dict[tuple, object] = {}
 
 
@@ -224,9 +315,12 @@ def compiled_flex_attention(mode: str = "default", kernel_options: dict | None =
         if kernel_options:
             fn = functools.partial(flex_attention, kernel_options=dict(kernel_options))
             compiled = torch.compile(fn, dynamic=False, mode=torch_mode(mode))
+            then = ("it runs with torch's Triton kernels. Set compile.flex_backend=triton to skip the attempt"
+                    if kernel_options.get("BACKEND") == "FLASH" else
+                    "it runs with torch's own tiles. Set compile.flex_kernel_options={} to skip the attempt")
             _COMPILED_FLEX[key] = EagerFallback(
                 f"flex with kernel options {dict(kernel_options)}", compiled, compiled_flex_attention(mode),
-                then="it runs with torch's own tiles. Set compile.flex_kernel_options={} to skip the attempt")
+                then=then)
         else:
             compiled = torch.compile(flex_attention, dynamic=False, mode=torch_mode(mode))
             _COMPILED_FLEX[key] = EagerFallback("flex", compiled, flex_attention)

@@ -255,10 +255,18 @@ def check_family(config: Any) -> None:
     check_rope(rope_of(config))
 
 
+# A random-init target up to this size is drawn on the CPU and then moved: the same config and seed give the
+# same weights on every device (a GPU's generator draws other numbers than the CPU's), so a drafter trained on a
+# GPU is evaluated against its own target on a CPU, and the demo recipe trains the same target everywhere.
+# Larger ones (the benchmark shapes) are drawn on the run's device: a random 8B init on the CPU takes minutes.
+RANDOM_INIT_CPU_MAX_PARAMS = 500_000_000
+
+
 def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: str,
                    attn_implementation: str | None = None, seed: int = 0,
                    device: torch.device | str = "cpu") -> nn.Module:
-    """A random init is created directly on `device` (a random 8B init on the CPU takes minutes).
+    """A random init is drawn on the CPU up to RANDOM_INIT_CPU_MAX_PARAMS parameters (the same weights on every
+    device), directly on `device` above it.
 
     A checkpoint is read with transformers' default loader, which memory-maps the safetensors files (the
     parameters stay file-backed pages, not copies in process memory), then moved to `device`. No
@@ -283,14 +291,17 @@ def build_hf_model(path: str | None, random_init: dict[str, Any] | None, dtype: 
                            f"{type(model).__name__} (e.g. {', '.join(missing[:3])}); point target.path at the "
                            "complete model directory")
         return model.to(device)
+    with torch.device("meta"):  # the size, without memory
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config, **kwargs).parameters())
+    draw_on = "cpu" if size <= RANDOM_INIT_CPU_MAX_PARAMS else device
     devices_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        with torch.device(device):
+        with torch.device(draw_on):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     finally:
         torch.random.set_rng_state(devices_state)
-    return model
+    return model.to(device)
 
 
 def num_layers_of(path: str | None, random_init: dict[str, Any] | None) -> int:
