@@ -346,8 +346,9 @@ class Trainer:
         backend, why = resolve_flex_backend(c.flex_backend, self.device, arch.head_dim)
         if backend == "flash":
             t0 = time.monotonic()
+            layers = tuple(arch.layer_mask(i) for i in range(arch.num_hidden_layers))
             why = probe_flash(mode, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
-                              arch.block_size, self.device)
+                              arch.block_size, self.device, layers)
             if why is None:
                 log.info(f"compile: flex_attention on FlashAttention-4's kernels (flash-attn-4 {flash_version()}; "
                          f"checked against the Triton kernels in {time.monotonic() - t0:.0f}s)")

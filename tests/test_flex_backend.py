@@ -73,7 +73,13 @@ def test_config_refuses_an_unknown_backend_and_tiles_with_flash(write_config, ti
 
 
 def _fake_trainer(backend: str, kernel_options=None):
-    arch = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, head_dim=128, block_size=16)
+    from dflash.models.drafter import DrafterArch
+
+    arch = DrafterArch(hidden_size=4096, intermediate_size=12288, num_hidden_layers=3, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=1000, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=4096, block_size=16, target_layer_ids=[1], mask_token_id=5,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                       sliding_window=64)
     return SimpleNamespace(config=SimpleNamespace(compile=CompileConfig(flex_backend=backend,
                                                                         flex_kernel_options=kernel_options)),
                            drafter=SimpleNamespace(arch=arch), device=CUDA0)
@@ -84,14 +90,15 @@ def test_trainer_uses_flash_when_its_check_passes_and_triton_with_one_warning_wh
     verdict = {"value": None}
     calls = []
 
-    def probe(mode, heads, kv_heads, head_dim, block_size, device):
-        calls.append((mode, heads, kv_heads, head_dim, block_size, device))
+    def probe(mode, heads, kv_heads, head_dim, block_size, device, layers):
+        calls.append((mode, heads, kv_heads, head_dim, block_size, device, set(layers)))
         return verdict["value"]
 
     monkeypatch.setattr(train_mod, "probe_flash", probe)
     caplog.set_level(logging.INFO, logger="dflash")
     assert Trainer._flex_kernel_options(_fake_trainer("auto"), "default") == {"BACKEND": "FLASH"}
-    assert calls == [("default", 32, 8, 128, 16, CUDA0)]  # checked at the drafter's own head layout
+    # checked at the drafter's own head layout and each of its layer layouts
+    assert calls == [("default", 32, 8, 128, 16, CUDA0, {attention.LayerMask(64, True), attention.FULL})]
     assert "flex_attention on FlashAttention-4's kernels (flash-attn-4 4.0.0b5" in caplog.text
 
     caplog.clear()
@@ -152,6 +159,8 @@ def test_the_start_up_check_compares_flash_with_triton_forward_and_backward(monk
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     cpu = torch.device("cpu")
     assert attention.probe_flash("default", 4, 2, 64, 16, cpu) is None
+    sliding = attention.LayerMask(32, True)
+    assert attention.probe_flash("default", 4, 2, 64, 16, cpu, (sliding, attention.FULL, sliding)) is None
     behaviour["flash"] = "wrong"
     assert "differs from the Triton kernels' by 5.0" in attention.probe_flash("default", 4, 2, 64, 16, cpu)
     behaviour["flash"] = "raise"

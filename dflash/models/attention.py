@@ -256,36 +256,41 @@ FLASH_OPTIONS = {"BACKEND": "FLASH"}
 
 
 def probe_flash(mode: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                device: torch.device, tolerance: float = 2e-2) -> str | None:
-    """Runs the FLASH backend once, forward and backward, on a small batch of the drafter's mask at its head
-    layout, against the Triton kernels: None when both agree, else why not (a compile error, a kernel of an
-    flash-attn-4 that does not match this torch, a wrong result). The kernels it builds are the ones the
-    training shapes reuse (FA4 compiles per head layout and mask, not per length)."""
+                device: torch.device, layers: tuple[LayerMask, ...] = (FULL,),
+                tolerance: float = 2e-2) -> str | None:
+    """Runs the FLASH backend once, forward and backward, on a small batch of each of the drafter's layer masks
+    (`layers`: one per distinct layout) at its head layout, against the Triton kernels: None when they agree,
+    else why not (a compile error, a kernel of a flash-attn-4 that does not match this torch, a wrong result).
+    The kernels it builds are the ones the training shapes reuse (FA4 compiles per head layout and mask, not per
+    length)."""
     from dflash.compile import is_compile_error, one_line
 
     ctx, m = 256, 8
     gen = torch.Generator(device=device).manual_seed(0)
     anchors = torch.linspace(16, ctx - 16, m, device=device).long()[None]
     lq, lk = m * block_size, ctx + m * block_size
-    mask = flex_block_mask(anchors, ctx, block_size)
     q, k, v, grad = (torch.randn(1, h, n, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                      for h, n in ((num_heads, lq), (num_kv_heads, lk), (num_kv_heads, lk), (num_heads, lq)))
-    results = []
-    for options in (FLASH_OPTIONS, None):
-        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-        fn = _compiled_flex_unguarded(mode, options)
-        try:
-            out = fn(qq, kk, vv, block_mask=mask, enable_gqa=num_heads != num_kv_heads)
-            out.backward(grad)
-            torch.cuda.synchronize(device)
-        except Exception as exc:  # noqa: BLE001 - any failure of the optional kernels means: do not use them
-            if options is None and not is_compile_error(exc):
-                raise
-            return one_line(exc)
-        results.append([out.detach().float(), qq.grad.float(), kk.grad.float(), vv.grad.float()])
-    worst = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(*results, strict=True))
-    if not worst < tolerance:
-        return f"its result differs from the Triton kernels' by {worst:.2e} (relative), above {tolerance:.0e}"
+    for layer in dict.fromkeys(layers):
+        mask = flex_block_mask(anchors, ctx, block_size, layer=layer)
+        results = []
+        for options in (FLASH_OPTIONS, None):
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            fn = _compiled_flex_unguarded(mode, options)
+            try:
+                out = fn(qq, kk, vv, block_mask=mask, enable_gqa=num_heads != num_kv_heads)
+                out.backward(grad)
+                torch.cuda.synchronize(device)
+            except Exception as exc:  # noqa: BLE001 - any failure of the optional kernels means: do not use them
+                if options is None and not is_compile_error(exc):
+                    raise
+                return one_line(exc)
+            results.append([out.detach().float(), qq.grad.float(), kk.grad.float(), vv.grad.float()])
+        worst = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(*results, strict=True))
+        if not worst < tolerance:
+            where = "" if layer == FULL else f" (layer layout {layer})"
+            return (f"its result differs from the Triton kernels' by {worst:.2e} (relative), above "
+                    f"{tolerance:.0e}{where}")
     return None
 
 
