@@ -517,6 +517,12 @@ def validate(config: RunConfig) -> None:
     _require(config.logging.interval >= 1, "logging.interval must be >= 1")
     _require(config.logging.eval_interval >= 0, f"logging.eval_interval must be >= 0 steps, 0 = only at the end "
              f"(got {config.logging.eval_interval})")
+    if config.compile.flex_backend == "flash":  # what rules FlashAttention-4 out whatever the machine
+        off = [why for cond, why in ((config.runtime.device == "cpu", "runtime.device is cpu"),
+                                     (config.drafter.attention == "sdpa", "drafter.attention is sdpa"),
+                                     (config.compile.flex is False, "compile.flex is false")) if cond]
+        _require(not off, f"compile.flex_backend=flash but {' and '.join(off)} (FlashAttention-4 runs the compiled "
+                 "flex_attention of a CUDA run); set compile.flex_backend=auto")
     if config.compile.flex_kernel_options is not None:
         check_flex_options(config.compile.flex_kernel_options)
         _require(not (config.compile.flex_backend == "flash" and config.compile.flex_kernel_options),

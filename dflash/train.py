@@ -333,6 +333,10 @@ class Trainer:
         self._flex = None
         if self.attention_kind == "flex" and plan.flex:
             self._flex = compiled_flex_attention(plan.drafter_mode, self._flex_kernel_options(plan.drafter_mode))
+        elif c.compile.flex_backend == "flash":
+            raise BadInput("compile.flex_backend=flash but this run's drafter attention is not compiled "
+                           f"flex_attention ({self.attention_kind} on {self.device.type}"
+                           f"{'' if plan.flex else ', compile.flex off'}); set compile.flex_backend=auto")
         if plan.drafter:  # the whole forward (measured faster than per layer); the BlockMask stays eager
             compile_drafter(self.drafter, plan.drafter_mode)
         d = c.drafter

@@ -64,6 +64,7 @@ def test_config_refuses_an_unknown_backend_and_tiles_with_flash(write_config, ti
     tiny_dict["compile"] = {"flex_backend": "cutlass"}
     with pytest.raises(ConfigError, match="flex_backend"):
         load_config(write_config(tiny_dict))
+    tiny_dict["runtime"]["device"] = "cuda"  # what flash needs (validation does not look for the GPU)
     tiny_dict["compile"] = {"flex_backend": "flash", "flex_kernel_options": {"bwd_num_warps": 4}}
     with pytest.raises(ConfigError, match=r"compile.flex_kernel_options sets Triton tiles but "
                                           r"compile.flex_backend is flash"):
@@ -166,3 +167,22 @@ def test_the_start_up_check_compares_flash_with_triton_forward_and_backward(monk
     behaviour["flash"] = "raise"
     assert attention.probe_flash("default", 4, 2, 64, 16, cpu) == (
         "RuntimeError: BACKEND='FLASH' but flash attention cannot be used: no cute")
+
+
+def test_flash_asked_for_on_a_run_without_compiled_flex_is_refused(tiny_config, write_config, tiny_dict):
+    import copy
+
+    tiny_dict["compile"] = {"flex_backend": "flash"}  # the tiny config runs on the CPU
+    with pytest.raises(ConfigError, match=r"compile.flex_backend=flash but runtime.device is cpu \(Flash"):
+        load_config(write_config(tiny_dict))
+    tiny_dict["runtime"]["device"] = "cuda"
+    tiny_dict["drafter"]["attention"] = "sdpa"
+    tiny_dict["compile"]["flex"] = False
+    with pytest.raises(ConfigError, match=r"but drafter.attention is sdpa and compile.flex is false"):
+        load_config(write_config(tiny_dict))
+    cfg = copy.deepcopy(tiny_config)  # what the config cannot know (runtime.device auto on a machine without
+    cfg.compile.flex_backend = "flash"  # a GPU): refused when the trainer builds the drafter
+    cfg.runtime.device = "auto"
+    with pytest.raises(BadInput, match=r"compile.flex_backend=flash but this run's drafter attention is not "
+                                       r"compiled flex_attention \(sdpa on cpu"):
+        Trainer(cfg).setup()
