@@ -47,6 +47,7 @@ class DrafterConfig:
     loss_impl: Literal["checkpoint", "fused"] = "fused"  # fused: row gradients in the forward, no recompute
     init_from: str | None = None  # a drafter directory (export layout) to start from
     float8: bool = False  # linear layers in float8 (torchao Float8Linear; GPUs of compute capability 8.9+)
+    float8_head: bool = False  # with float8: the training loss's two LM-head matmuls in float8 too (rowwise scales)
     intermediate_size: int | None = None  # default: the target's
     num_attention_heads: int | None = None  # default: the target's
     num_key_value_heads: int | None = None  # default: the target's
@@ -464,6 +465,10 @@ def validate(config: RunConfig) -> None:
     _require(d.num_anchors >= 1, f"drafter.num_anchors must be >= 1 (got {d.num_anchors})")
     _require(d.gamma is None or d.gamma > 0, f"drafter.gamma must be > 0 (got {d.gamma})")
     _require(d.loss_chunk_size >= 1, "drafter.loss_chunk_size must be >= 1")
+    _require(not d.float8_head or d.float8, "drafter.float8_head puts the loss's LM head in float8 beside the "
+             "drafter's float8 linear layers; set drafter.float8: true too, or drafter.float8_head: false")
+    _require(not d.float8_head or d.loss_impl == "fused", "drafter.float8_head runs in the fused loss; set "
+             "drafter.loss_impl: fused, or drafter.float8_head: false")
     check_layout(d.layer_types, d.sliding_window, d.num_layers, "drafter.layer_types", "drafter.sliding_window")
     _require(data.synthetic is not None or data.train_path is not None,
              "data: set data.train_path (a JSONL file) or data.synthetic (generated data)")

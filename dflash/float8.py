@@ -69,3 +69,51 @@ def float8_linears(model: nn.Module) -> list[str]:
     except ImportError:
         return []
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+# ------------------------------------------------------------------------------- the LM head of the loss
+E4M3 = torch.float8_e4m3fn  # activations and weights: more mantissa
+E5M2 = torch.float8_e5m2  # gradients: more range (the softmax's small probabilities)
+
+
+def rowwise(t: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` (n, k) in float8 with one fp32 scale per row, its largest magnitude at the format's largest value:
+    (t8, scale) with t ~= t8 * scale."""
+    scale = t.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-30) / torch.finfo(dtype).max
+    return (t.float() / scale).to(dtype), scale
+
+
+class Float8Head:
+    """The frozen LM head (vocab, hidden) for the fused loss's two matmuls in float8 (`drafter.float8_head`): the
+    logits rows @ W^T and the rows' gradient G @ W. W is cast once (row scales for the first, column scales for
+    the second); the rows are cast per chunk (e4m3, row scales) and G arrives in e5m2 with its row scales
+    (dflash.loss.ce_rows_float8). Products accumulate in fp32 and come out in `out_dtype`."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.version = weight, weight._version  # the cache below is keyed by both
+        self.w8, self.w_scale = rowwise(weight)  # (V, H), (V, 1)
+        self.wt8, self.wt_scale = rowwise(weight.t().contiguous())  # (H, V), (H, 1)
+
+    def logits(self, rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        r8, r_scale = rowwise(rows)
+        return torch._scaled_mm(r8, self.w8.t(), scale_a=r_scale, scale_b=self.w_scale.t(), out_dtype=out_dtype)
+
+    def rows_grad(self, grad8: torch.Tensor, grad_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return torch._scaled_mm(grad8, self.wt8.t(), scale_a=grad_scale, scale_b=self.wt_scale.t(),
+                                out_dtype=out_dtype)
+
+
+_HEAD: list[Float8Head] = []
+
+
+def float8_head(weight: torch.Tensor) -> Float8Head:
+    """`weight`'s float8 copies, cast at the first call and reused while the same frozen tensor comes back (one
+    cast per run, not per step; a CUDA graph replays with the cached copies)."""
+    if _HEAD:
+        head = _HEAD[0]
+        w = head.weight
+        if (w.data_ptr() == weight.data_ptr() and w.shape == weight.shape and w.dtype == weight.dtype
+                and head.version == weight._version):
+            return head
+    _HEAD[:] = [Float8Head(weight)]
+    return _HEAD[0]

@@ -116,26 +116,50 @@ def ce_rows(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
     return total, hits, grad.to(logits.dtype)
 
 
-_COMPILED_CE_ROWS = None
+# where the gradient's largest magnitude lands in float8 e5m2: half its largest value, a margin for rounding
+GRAD_FLOAT8_TOP = torch.finfo(torch.float8_e5m2).max / 2
 
 
-def ce_rows_kernel(device: torch.device):
-    """`ce_rows` compiled once per process when the compile plan says so (`compile.loss`; default: on CUDA),
-    guarded by the eager fallback; eager otherwise."""
-    global _COMPILED_CE_ROWS
+def ce_rows_float8(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
+    """`ce_rows` with the logits' gradient in float8 e5m2 and one fp32 scale per row, for the rows' gradient
+    matmul in float8 (`drafter.float8_head`): (total, hits, grad8, scale), grad ~= grad8 * scale.
+
+    A row's largest gradient magnitude is known without another pass: |p_j - onehot_j| * w is largest at the
+    label, (1 - p_label) * w, since the other probabilities sum to 1 - p_label. So the cast fuses into the
+    gradient's own pass; 1 - p_label comes from expm1, exact where p_label is near 1."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, labels[:, None]).squeeze(1)
+    total = ((lse - picked) * w).sum()
+    hits = x.argmax(-1) == labels
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    top = (-torch.expm1(picked - lse)) * w.float().abs()
+    scale = (top / GRAD_FLOAT8_TOP).clamp(min=1e-30)[:, None]
+    grad = (torch.exp(x - lse[:, None]) - onehot.float()) * (w.float()[:, None] / scale)
+    grad8 = grad.clamp(-2 * GRAD_FLOAT8_TOP, 2 * GRAD_FLOAT8_TOP).to(torch.float8_e5m2)
+    return total, hits, grad8, scale
+
+
+_COMPILED_CE_ROWS: dict[bool, object] = {}
+
+
+def ce_rows_kernel(device: torch.device, float8: bool = False):
+    """`ce_rows` (or `ce_rows_float8`) compiled once per process when the compile plan says so (`compile.loss`;
+    default: on CUDA), guarded by the eager fallback; eager otherwise."""
     from dflash.compile import EagerFallback, active
 
+    eager = ce_rows_float8 if float8 else ce_rows
     if not active(device).loss:
-        return ce_rows
-    if _COMPILED_CE_ROWS is None:
-        _COMPILED_CE_ROWS = EagerFallback("loss", compile_ce_rows(), ce_rows)
-    return _COMPILED_CE_ROWS
+        return eager
+    if float8 not in _COMPILED_CE_ROWS:
+        _COMPILED_CE_ROWS[float8] = EagerFallback("loss", compile_ce_rows(eager), eager)
+    return _COMPILED_CE_ROWS[float8]
 
 
-def compile_ce_rows(**compile_kwargs):
-    """`ce_rows` compiled with the row count symbolic: one graph for every chunk length (the last chunk
+def compile_ce_rows(fn=ce_rows, **compile_kwargs):
+    """`fn` (`ce_rows`) compiled with the row count symbolic: one graph for every chunk length (the last chunk
     of a batch has as many rows as the batch has leftover labels, different at every step)."""
-    compiled = torch.compile(ce_rows, **compile_kwargs)
+    compiled = torch.compile(fn, **compile_kwargs)
 
     def run(logits, labels, w):
         for t in (logits, labels, w):
@@ -149,21 +173,32 @@ class _FusedHeadCE(torch.autograd.Function):
 
     The LM head is frozen, so only the rows need a gradient: (softmax - onehot) * w @ W. Computing it while
     the chunk's logits exist saves the logits recompute of the checkpointed path: 2 head-sized matmuls per
-    row instead of 3. Backward only scales the saved gradient. Returns (total, hits).
+    row instead of 3. Backward only scales the saved gradient. Returns (total, hits). With `float8`, both
+    matmuls run in float8 (dflash.float8.Float8Head); the softmax and the loss stay in fp32.
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, labels, w, chunk_size: int, compute_dtype: torch.dtype):
+    def forward(ctx, rows, weight, labels, w, chunk_size: int, compute_dtype: torch.dtype, float8: bool = False):
         grad = torch.empty_like(rows)
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
         hits = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
-        head = weight.to(compute_dtype)
-        kernel = ce_rows_kernel(rows.device)
+        kernel = ce_rows_kernel(rows.device, float8)
+        if float8:
+            from dflash.float8 import float8_head
+
+            head8 = float8_head(weight)
+        else:
+            head = weight.to(compute_dtype)
         for start in range(0, rows.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
-            part, hits[sl], grad_logits = kernel(rows[sl].to(compute_dtype) @ head.t(), labels[sl], w[sl])
+            chunk = rows[sl].to(compute_dtype)
+            if float8:
+                part, hits[sl], grad8, scale = kernel(head8.logits(chunk, compute_dtype), labels[sl], w[sl])
+                grad[sl] = head8.rows_grad(grad8, scale, compute_dtype).to(grad.dtype)
+            else:
+                part, hits[sl], grad_logits = kernel(chunk @ head.t(), labels[sl], w[sl])
+                grad[sl] = (grad_logits @ head).to(grad.dtype)
             total += part
-            grad[sl] = (grad_logits @ head).to(grad.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
         return total, hits
@@ -171,20 +206,21 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_hits):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
 
 
 LOSS_IMPLS = ("checkpoint", "fused")
 
 
 def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, blocks: Blocks, gamma: float,
-                        chunk_size: int = 4096, impl: str = "fused"):
+                        chunk_size: int = 4096, impl: str = "fused", float8_head: bool = False):
     """Decayed CE over valid positions, divided by the sum of their weights; logits built in chunks.
 
     hidden: (b, m, B, H) drafter outputs. Returns (loss, correct (b, m, B-1) bool).
     Full-vocabulary logits for all block positions never exist at once. impl="checkpoint": each chunk's
     logits are recomputed in backward; impl="fused": the gradient of the rows is computed in the forward
-    while the chunk's logits exist (no recompute; the head is frozen).
+    while the chunk's logits exist (no recompute; the head is frozen). `float8_head`: the fused path's two
+    head matmuls in float8 when training (an evaluation's logits stay in the run's precision).
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss impl {impl!r}: expected one of {LOSS_IMPLS}")
@@ -205,7 +241,7 @@ def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, bloc
         device_type = rows.device.type
         compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                          else rows.dtype)
-        total, hit = _FusedHeadCE.apply(rows, lm_head_weight, labels, w, chunk_size, compute_dtype)
+        total, hit = _FusedHeadCE.apply(rows, lm_head_weight, labels, w, chunk_size, compute_dtype, float8_head)
         correct.view(-1).index_copy_(0, index, hit)
         return total / w.sum(), correct
     total = rows.new_zeros((), dtype=torch.float32)
@@ -310,6 +346,7 @@ class BlockPass:
     attention_kind: str  # "sdpa" or "flex" (dflash.models.attention)
     device: torch.device
     flex: Callable | None = None  # the compiled flex_attention, where used
+    float8_head: bool = False  # the training loss's LM-head matmuls in float8 (drafter.float8_head)
 
     def autocast(self):
         return autocast_for(self.device)
@@ -332,7 +369,8 @@ class BlockPass:
             features, head = features.to(dtype), head.to(dtype)
         with self.autocast():
             hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self.flex)
-            return weighted_block_loss(hidden, head, blocks, self.gamma, self.loss_chunk_size, self.loss_impl)
+            return weighted_block_loss(hidden, head, blocks, self.gamma, self.loss_chunk_size, self.loss_impl,
+                                       self.float8_head)
 
     def __call__(self, forward: Callable, features: torch.Tensor, batch, generator: torch.Generator,
                  embed: torch.nn.Embedding, head: torch.Tensor, num_anchors: int | None = None) -> PassResult:

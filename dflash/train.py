@@ -325,6 +325,7 @@ class Trainer:
         if c.drafter.float8:  # before compilation: the compiled forward fuses the float8 casts
             kept = convert_linears(self.drafter)
             log.info(f"drafter: {len(float8_linears(self.drafter))} linear layers in float8 (torchao, tensorwise)"
+                     + ("; the loss's LM head in float8 (rowwise)" if c.drafter.float8_head else "")
                      + (f"; kept in their precision (dimensions not divisible by 16): {', '.join(kept)}"
                         if kept else ""))
         self.gamma = c.drafter.gamma or default_gamma(c.drafter.block_size)
@@ -341,7 +342,7 @@ class Trainer:
             compile_drafter(self.drafter, plan.drafter_mode)
         d = c.drafter
         self.block_pass = BlockPass(self.drafter, d.block_size, self.gamma, d.num_anchors, d.loss_chunk_size,
-                                    d.loss_impl, self.attention_kind, self.device, self._flex)
+                                    d.loss_impl, self.attention_kind, self.device, self._flex, d.float8_head)
 
     def _flex_kernel_options(self, mode: str) -> dict:
         """flex_attention's kernel options: FlashAttention-4's kernels where they run here and pass the start-up

@@ -140,3 +140,93 @@ def test_float8_conversion_can_keep_named_layers():
 
     model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(64, 64), "fc": torch.nn.Linear(64, 64)})
     assert convert_linears(model, skip=("fc",)) == ["fc"] and float8_linears(model) == ["q_proj"]
+
+
+# ------------------------------------------------------------------ drafter.float8_head: the loss's LM head
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_float8_head_matmuls_match_the_full_precision_ones_within_float8_rounding():
+    from dflash.float8 import float8_head
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen) * 0.05
+    rows = torch.randn(40, 64, generator=gen)
+    head = float8_head(weight)
+    assert float8_head(weight) is head  # cast once per frozen head, not per call
+    assert _rel(head.logits(rows, torch.float32), rows @ weight.t()) < 0.06
+    g = torch.randn(40, 96, generator=gen)
+    from dflash.float8 import E5M2, rowwise
+
+    g8, scale = rowwise(g, E5M2)
+    assert _rel(head.rows_grad(g8, scale, torch.float32), g @ weight) < 0.1
+    weight.mul_(2)  # a changed head (its version moves) is cast again
+    assert float8_head(weight) is not head
+
+
+def test_float8_loss_rows_give_the_loss_exactly_and_the_gradient_within_e5m2_rounding():
+    from dflash.loss import GRAD_FLOAT8_TOP, ce_rows, ce_rows_float8
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 96, generator=gen) * 3
+    logits[0, 5] = 80.0  # a row whose label is all but certain: its gradient is tiny, never inf or nan
+    labels = torch.randint(0, 96, (64,), generator=gen)
+    labels[0] = 5
+    w = torch.rand(64, generator=gen)
+    w[3] = 0.0  # a padding row
+    total, hits, grad = ce_rows(logits, labels, w)
+    total8, hits8, grad8, scale = ce_rows_float8(logits, labels, w)
+    assert grad8.dtype == torch.float8_e5m2 and scale.shape == (64, 1)
+    assert torch.equal(total, total8) and torch.equal(hits, hits8)  # the loss itself stays fp32
+    restored = grad8.float() * scale
+    assert torch.isfinite(restored).all() and restored[3].abs().max() == 0
+    assert _rel(restored, grad) < 0.1
+    # the row's largest magnitude, the label's, lands at the chosen point of the format (no overflow)
+    label_entries = grad8.float().gather(1, labels[:, None]).squeeze(1).abs()
+    live = w > 0
+    live[0] = False  # its 1 - p_label (~1e-34) is under the scale's floor: all but zero, as it should be
+    assert restored[0].abs().max() < 1e-20
+    assert torch.allclose(label_entries[live], torch.full_like(label_entries[live], GRAD_FLOAT8_TOP), rtol=0.15)
+    assert grad8.float().abs().max() <= torch.finfo(torch.float8_e5m2).max
+
+
+def test_float8_head_loss_and_gradient_follow_the_full_precision_loss():
+    from dflash.loss import Blocks, weighted_block_loss
+
+    gen = torch.Generator().manual_seed(2)
+    b, m, bs, h, vocab = 2, 5, 4, 64, 96
+    hidden = torch.randn(b, m, bs, h, generator=gen)
+    weight = torch.randn(vocab, h, generator=gen) * 0.1
+    labels = torch.randint(0, vocab, (b, m, bs - 1), generator=gen)
+    valid = torch.rand(b, m, bs - 1, generator=gen) > 0.2
+    blocks = Blocks(torch.zeros(b, m, dtype=torch.long), torch.ones(b, m, dtype=torch.bool),
+                    torch.zeros(b, m, bs, dtype=torch.long), labels, valid)
+    out = {}
+    for f8 in (False, True):
+        x = hidden.clone().requires_grad_(True)
+        loss, correct = weighted_block_loss(x, weight, blocks, gamma=4.0, impl="fused", float8_head=f8)
+        loss.backward()
+        out[f8] = (loss.detach(), x.grad)
+    assert out[True][0] == pytest.approx(float(out[False][0]), rel=0.02)
+    assert out[True][0] != out[False][0]  # the float8 path did run
+    assert _rel(out[True][1], out[False][1]) < 0.1
+
+
+def test_float8_head_trains_and_is_a_config_error_without_float8_or_the_fused_loss(tiny_config, tmp_path):
+    from dflash.config import validate
+
+    cfg = _small(copy.deepcopy(tiny_config))
+    cfg.output_dir = str(tmp_path / "head")
+    cfg.drafter.float8, cfg.drafter.float8_head = True, True
+    cfg.optim.max_steps = 4
+    trainer = Trainer(cfg).setup()
+    losses = [trainer.train_step()[1].loss for _ in range(4)]
+    assert all(x == x for x in losses) and losses[-1] < losses[0]
+    bad = copy.deepcopy(tiny_config)
+    bad.drafter.float8_head = True
+    with pytest.raises(ConfigError, match="set drafter.float8: true too"):
+        validate(bad)
+    bad.drafter.float8, bad.drafter.loss_impl = True, "checkpoint"
+    with pytest.raises(ConfigError, match="drafter.float8_head runs in the fused loss"):
+        validate(bad)

@@ -1,0 +1,216 @@
+"""Where the target's feature forward spends its time, whether FlashAttention-4 would make its attention
+faster, and the GEMM shapes of the next levers, on one GPU. Run from the repository root on the GPU machine
+(flash-attn-4 importable for the FlashAttention-4 row):
+
+    python3 bench/target_forward.py [--batch 4] [--length 3072] [--out DIR]
+
+Sections (one JSON line each, also collected in DIR/target_forward.json):
+* attention: one layer's causal attention alone at the Qwen3-8B head layout (32 query heads, 8 KV heads, 128),
+  SDPA as transformers calls it (the baseline), SDPA forced to cuDNN, FlashAttention-4; ms, TFLOP/s,
+  relative difference to SDPA.
+* features: the whole feature forward of the Qwen3-8B-shaped random target (taps [1, 9, 17, 25, 33], compiled
+  decoder layers as the trainer compiles them): ms, tokens/s, the kernel time by class and the top kernels.
+* gemms: the projections of one target layer apart and fused (q/k/v, gate/up), and the drafter loss's LM head
+  (rows x 4096 x 151936, forward and the rows' gradient) in bf16 and float8 (rowwise scales).
+Timings are medians of CUDA-event-timed repetitions after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 4096}
+RESULTS: dict = {}
+
+
+def record(out: Path, name: str, data: dict) -> None:
+    RESULTS[name] = data
+    (out / "target_forward.json").write_text(json.dumps(RESULTS, indent=2))
+    print(f"[{name}] {json.dumps(data)}", flush=True)
+
+
+def cuda_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def kernel_classes(fn) -> dict:
+    """CUDA kernel time of one call of `fn` by class (ms), and its ten longest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    # first match wins: inductor's kernels carry the names of the ops they fused (an "sdpa" among them), and
+    # attention kernels the names of their instructions ("wgmma", "cutlass")
+    classes = {"fused elementwise": ("triton_",),
+               "attention": ("flash", "fmha", "fprop", "sdpa", "attention"),
+               "gemm": ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "wgmma")}
+    totals: dict[str, float] = {}
+    rows = []
+    for evt in prof.key_averages():
+        ms = evt.device_time_total / 1e3
+        if ms <= 0:
+            continue
+        name = evt.key.lower()
+        kind = next((k for k, words in classes.items() if any(w in name for w in words)), "other")
+        totals[kind] = totals.get(kind, 0.0) + ms
+        rows.append((ms, evt.key[:90]))
+    rows.sort(reverse=True)
+    return {"ms_by_class": {k: round(v, 2) for k, v in totals.items()},
+            "top": [(round(ms, 2), name) for ms, name in rows[:10]]}
+
+
+def flash_causal(q, k, v):
+    """FlashAttention-4's causal attention: (B, L, H, D) in and out."""
+    from flash_attn.cute import flash_attn_func
+
+    got = flash_attn_func(q, k, v, causal=True)
+    return got[0] if isinstance(got, tuple) else got
+
+
+def sec_attention(args, out: Path) -> None:
+    b, n, h, hkv, d = args.batch, args.length, 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, x, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for x in (h, hkv, hkv))
+    flops = 4 * b * h * n * n * d / 2  # causal: half the score matrix
+    runs = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        "flash4": lambda: flash_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2),
+    }
+
+    def cudnn():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kk, vv = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+
+    runs["sdpa_cudnn_with_kv_copy"] = cudnn
+    base = runs["sdpa"]()
+    data = {"shape": {"batch": b, "length": n, "heads": h, "kv_heads": hkv, "head_dim": d}}
+    for name, fn in runs.items():
+        try:
+            ms = cuda_ms(fn)
+            data[name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "rel_vs_sdpa": rel(fn(), base)}
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot run this layout is a result too
+            data[name] = {"error": " ".join(str(exc).split())[:300]}
+    record(out, "attention", data)
+
+
+def sec_features(args, out: Path) -> None:
+    from dflash.compile import compile_target_layers
+    from dflash.config import default_layer_ids
+    from dflash.models.target import Target, build_hf_model
+
+    model = build_hf_model(None, dict(QWEN3_8B), "bfloat16", seed=0, device="cuda")
+    target = Target(model, default_layer_ids(36, 5))
+    compile_target_layers(target, "default")
+    ids = torch.randint(0, 151936, (args.batch, args.length), device="cuda")
+    ms = cuda_ms(lambda: target.features(ids), warmup=3, iters=8)
+    record(out, "features", {"taps": target.layer_ids, "tokens": args.batch * args.length, "ms": round(ms, 2),
+                             "tokens_per_s": round(args.batch * args.length / ms * 1e3),
+                             **kernel_classes(lambda: target.features(ids))})
+
+
+def sec_gemms(args, out: Path) -> None:
+    m, hid, inter = args.batch * args.length, 4096, 12288
+    x = torch.randn(m, hid, device="cuda", dtype=torch.bfloat16)
+    wq, wk, wv = (torch.randn(o, hid, device="cuda", dtype=torch.bfloat16) * 0.02 for o in (4096, 1024, 1024))
+    wg, wu = (torch.randn(inter, hid, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
+    wqkv, wgu = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
+    data = {"rows": m}
+    for name, fn, flops in (
+            ("qkv_apart", lambda: (x @ wq.t(), x @ wk.t(), x @ wv.t()), 2 * m * hid * 6144),
+            ("qkv_fused", lambda: x @ wqkv.t(), 2 * m * hid * 6144),
+            ("gate_up_apart", lambda: (x @ wg.t(), x @ wu.t()), 2 * m * hid * 2 * inter),
+            ("gate_up_fused", lambda: x @ wgu.t(), 2 * m * hid * 2 * inter)):
+        ms = cuda_ms(fn)
+        data[name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+    _lm_head(data)
+    record(out, "gemms", data)
+
+
+def _lm_head(data: dict) -> None:
+    hid, vocab = 4096, 151936
+    rows = 7680  # the loss rows of one sequence: 512 blocks x 15 labels
+    r = torch.randn(rows, hid, device="cuda", dtype=torch.bfloat16)
+    head = torch.randn(vocab, hid, device="cuda", dtype=torch.bfloat16) * 0.02
+    g = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 1e-4
+    flops = 2 * rows * hid * vocab
+    data["lm_head_fwd_bf16"] = {"ms": round(ms := cuda_ms(lambda: r @ head.t()), 3), "tflops": round(flops / ms / 1e9, 1)}
+    data["lm_head_dgrad_bf16"] = {"ms": round(ms := cuda_ms(lambda: g @ head), 3), "tflops": round(flops / ms / 1e9, 1)}
+    f8 = torch.float8_e4m3fn
+
+    def rowwise(t):
+        scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(f8).max
+        return (t.float() / scale).to(f8), scale
+
+    try:
+        r8, rs = rowwise(r)
+        h8, hs = rowwise(head)  # the head is frozen: cast once
+        fwd = lambda: torch._scaled_mm(r8, h8.t(), scale_a=rs, scale_b=hs.t(), out_dtype=torch.bfloat16)  # noqa: E731
+        data["lm_head_fwd_fp8_rowwise"] = {"ms": round(ms := cuda_ms(fwd), 3), "tflops": round(flops / ms / 1e9, 1),
+                                           "rel_vs_bf16": rel(fwd(), r @ head.t())}
+        def fwd_with_cast():  # the rows change every step: their cast counts
+            a, s = rowwise(r)
+            return torch._scaled_mm(a, h8.t(), scale_a=s, scale_b=hs.t(), out_dtype=torch.bfloat16)
+
+        data["lm_head_fwd_fp8_with_row_cast"] = {"ms": round(cuda_ms(fwd_with_cast), 3)}
+        g8, gs = rowwise(g)
+        ht8, hts = rowwise(head.t().contiguous())
+        dgrad = lambda: torch._scaled_mm(g8, ht8.t(), scale_a=gs, scale_b=hts.t(), out_dtype=torch.bfloat16)  # noqa: E731
+        data["lm_head_dgrad_fp8_rowwise"] = {"ms": round(ms := cuda_ms(dgrad), 3), "tflops": round(flops / ms / 1e9, 1),
+                                             "rel_vs_bf16": rel(dgrad(), g @ head)}
+    except Exception as exc:  # noqa: BLE001
+        data["fp8_error"] = " ".join(str(exc).split())[:300]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=3072)
+    parser.add_argument("--sections", default="attention,features,gemms")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record(out, "machine", {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
+    for name in args.sections.split(","):
+        try:
+            {"attention": sec_attention, "features": sec_features, "gemms": sec_gemms}[name](args, out)
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next section
+            record(out, name, {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
