@@ -106,14 +106,21 @@ def ce_rows(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
     Written as plain tensor algebra so that `torch.compile` makes it two passes over the logits (one
     reduction, one pointwise) instead of the ~10 full-size passes and fp32 temporaries of eager mode.
     """
+    x, lse, picked, total, hits, onehot = _softmax_rows(logits, labels, w)
+    grad = (torch.exp(x - lse[:, None]) - onehot.float()) * w[:, None].float()
+    return total, hits, grad.to(logits.dtype)
+
+
+def _softmax_rows(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
+    """What both loss kernels read off a chunk's logits: (fp32 logits, logsumexp, the labels' logits, the
+    weighted CE sum, argmax hits, the labels' one-hot mask)."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     picked = x.gather(1, labels[:, None]).squeeze(1)
     total = ((lse - picked) * w).sum()
     hits = x.argmax(-1) == labels
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
-    grad = (torch.exp(x - lse[:, None]) - onehot.float()) * w[:, None].float()
-    return total, hits, grad.to(logits.dtype)
+    return x, lse, picked, total, hits, onehot
 
 
 # where the gradient's largest magnitude lands in float8 e5m2: half its largest value, a margin for rounding
@@ -127,12 +134,7 @@ def ce_rows_float8(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
     A row's largest gradient magnitude is known without another pass: |p_j - onehot_j| * w is largest at the
     label, (1 - p_label) * w, since the other probabilities sum to 1 - p_label. So the cast fuses into the
     gradient's own pass; 1 - p_label comes from expm1, exact where p_label is near 1."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    picked = x.gather(1, labels[:, None]).squeeze(1)
-    total = ((lse - picked) * w).sum()
-    hits = x.argmax(-1) == labels
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    x, lse, picked, total, hits, onehot = _softmax_rows(logits, labels, w)
     top = (-torch.expm1(picked - lse)) * w.float().abs()
     scale = (top / GRAD_FLOAT8_TOP).clamp(min=1e-30)[:, None]
     grad = (torch.exp(x - lse[:, None]) - onehot.float()) * (w.float()[:, None] / scale)
