@@ -103,6 +103,13 @@ class Float8Head:
                                 out_dtype=out_dtype)
 
 
+def check_float8_head(vocab_size: int, hidden_size: int) -> None:
+    """Raise ConfigError when float8 matmuls cannot take the LM head's shape (both dimensions divisible by 16)."""
+    if vocab_size % 16 or hidden_size % 16:
+        raise ConfigError(f"drafter.float8_head: the LM head is {vocab_size} x {hidden_size}, and float8 matmuls "
+                          "need both dimensions divisible by 16; set drafter.float8_head: false")
+
+
 _HEAD: list[Float8Head] = []
 
 

@@ -30,7 +30,7 @@ from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
 from dflash.errors import BadInput, Diverged
 from dflash.evaluate import Evaluator, TargetFeatures
-from dflash.float8 import check_float8, convert_linears, float8_linears
+from dflash.float8 import check_float8, check_float8_head, convert_linears, float8_linears
 from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
@@ -322,6 +322,8 @@ class Trainer:
             self.drafter = Drafter(arch)
             torch.random.set_rng_state(gen_state)
         self.drafter.to(self.device)
+        if c.drafter.float8_head:
+            check_float8_head(self.drafter.arch.vocab_size, self.drafter.arch.hidden_size)
         if c.drafter.float8:  # before compilation: the compiled forward fuses the float8 casts
             kept = convert_linears(self.drafter)
             log.info(f"drafter: {len(float8_linears(self.drafter))} linear layers in float8 (torchao, tensorwise)"

@@ -230,3 +230,18 @@ def test_float8_head_trains_and_is_a_config_error_without_float8_or_the_fused_lo
     bad.drafter.float8, bad.drafter.loss_impl = True, "checkpoint"
     with pytest.raises(ConfigError, match="drafter.float8_head runs in the fused loss"):
         validate(bad)
+
+
+def test_float8_head_refuses_a_head_shape_float8_matmuls_cannot_take(tiny_config, tmp_path):
+    from dflash.float8 import check_float8_head
+
+    check_float8_head(151936, 4096)  # Qwen3's: fine
+    with pytest.raises(ConfigError, match="the LM head is 32001 x 4096.*set drafter.float8_head: false"):
+        check_float8_head(32001, 4096)
+    cfg = copy.deepcopy(tiny_config)
+    cfg.output_dir = str(tmp_path / "odd")
+    cfg.drafter.float8, cfg.drafter.float8_head = True, True
+    cfg.target.random_init["vocab_size"] = 90  # not divisible by 16
+    with pytest.raises(ConfigError, match="the LM head is 90 x"):
+        Trainer(cfg).setup()
+    assert not any((tmp_path / "odd").glob("checkpoints/step-*"))
