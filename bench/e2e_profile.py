@@ -7,6 +7,12 @@ is left is the GPU waiting for the host (syncs, launches, host-side work). No lo
 
 Usage (GPU machine):  python bench/e2e_profile.py CONFIG [key=value ...] [--steps N] [--warmup N] [--label L]
 Prints one JSON line; with --out DIR appends it to DIR/e2e-profile.jsonl.
+
+--overlap ROUNDS: instead, the experiment of overlapping the target with the drafter. In the same process,
+ROUNDS times: --steps steps as the trainer runs them (the target's forward, then the drafter's step), then
+--steps steps whose next batch's target forward is launched on a second CUDA stream as soon as the current
+batch's features are handed over, so it runs beside the drafter's step. One sync per block of steps (the
+trainer's own per-step loss read stays). One JSON line per block.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--overlap", type=int, default=0, metavar="ROUNDS")
     args = p.parse_args()
     run_dir = tempfile.mkdtemp(prefix="e2e-profile-", dir=os.environ.get("RUNS_DIR", "/dev/shm"))
     overrides = [f"output_dir={run_dir}", "logging.interval=1000000", "checkpoint.interval=1000000",
@@ -88,6 +95,8 @@ def main() -> int:
         trainer.train_step()
     sync()
     warmup_s = time.perf_counter() - t0
+    if args.overlap:
+        return overlap_rounds(trainer, counted, rows, args, setup_s, warmup_s)
     times, tokens = [], 0
     rows.clear()
     for _ in range(args.steps):
@@ -121,6 +130,60 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / "e2e-profile.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+    return 0
+
+
+def prefetching(fetch):
+    """`fetch` (the trainer's source.next) with the next micro-batch's target forward launched on a side stream
+    as soon as the current one is handed over (the experiment: no sampler bookkeeping for resume)."""
+    side = torch.cuda.Stream()
+    pending = None
+
+    def launch():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            epoch, batch, features = fetch()
+        done = torch.cuda.Event()
+        done.record(side)
+        return epoch, batch, features, done
+
+    def next_():
+        nonlocal pending
+        if pending is None:
+            pending = launch()
+        epoch, batch, features, done = pending
+        here = torch.cuda.current_stream()
+        here.wait_event(done)
+        for t in (features, batch.input_ids, batch.loss_mask, batch.attention_mask, batch.lengths):
+            t.record_stream(here)
+        pending = launch()
+        return epoch, batch, features
+
+    return next_
+
+
+def overlap_rounds(trainer, counted, rows, args, setup_s, warmup_s) -> int:
+    for r in range(args.overlap):
+        for mode in ("sequential", "overlapped"):
+            trainer.source.next = counted if mode == "sequential" else prefetching(counted)
+            rows.clear()
+            torch.cuda.synchronize()
+            t0, tokens = time.perf_counter(), 0
+            for _ in range(args.steps):
+                _, res = trainer.train_step()
+                tokens += res.tokens
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            row = {"label": args.label, "round": r, "mode": mode, "overrides": args.overrides,
+                   "setup_s": round(setup_s, 1), "warmup_s": round(warmup_s, 1), "steps": args.steps,
+                   "step_ms": round(wall / args.steps * 1e3, 1), "tokens_per_s": round(tokens / wall, 1),
+                   "sequences_per_s_of_3072": round(tokens / wall / 3072, 3),
+                   "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": float(res.loss)}
+            print(json.dumps(row), flush=True)
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                with open(Path(args.out) / "e2e-profile.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
     return 0
 
 
