@@ -15,7 +15,10 @@ help:
 	@echo "make stop    stop the training job(s) of the local inventory"
 
 # --no-compile: the controller venv's modules are byte-compiled when first imported (a fraction of torch's
-# files), not all of them at install time.
+# files), not all of them at install time. That needs Python allowed to write its bytecode: a shell that sets
+# PYTHONDONTWRITEBYTECODE would have every test process compile torch, transformers and sympy from source
+# again (about 6 s of CPU each, hundreds of processes), so no recipe here inherits it.
+unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
