@@ -125,12 +125,17 @@ def main() -> int:
            "gpu_idle_ms_per_step": round((prof_wall_ms - union) / 2, 1),
            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
            "loss": float(res.loss)}
-    print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        with open(Path(args.out) / "e2e-profile.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, args.out)
     return 0
+
+
+def emit(row: dict, out: str) -> None:
+    """Print `row` as one JSON line; with an --out DIR, append it to DIR/e2e-profile.jsonl too."""
+    print(json.dumps(row), flush=True)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / "e2e-profile.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def prefetching(fetch):
@@ -179,11 +184,7 @@ def overlap_rounds(trainer, counted, rows, args, setup_s, warmup_s) -> int:
                    "step_ms": round(wall / args.steps * 1e3, 1), "tokens_per_s": round(tokens / wall, 1),
                    "sequences_per_s_of_3072": round(tokens / wall / 3072, 3),
                    "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": float(res.loss)}
-            print(json.dumps(row), flush=True)
-            if args.out:
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                with open(Path(args.out) / "e2e-profile.jsonl", "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, args.out)
     return 0
 
 
