@@ -16,6 +16,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 
+# One intra-op thread in the tests and the processes they start (unless the shell says otherwise): their
+# models are tiny, and on a 2-core machine that runs two pytest workers beside the molecule containers a
+# second OpenMP thread only waits and spins (tests/test_regenerate.py, test_speculative.py and
+# test_loading.py: 65 s of CPU with torch's default of 2 threads, 56 s with 1, on an idle machine).
+if os.environ.setdefault("OMP_NUM_THREADS", "1").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def _cpu_seconds() -> float:
     """CPU time of this process and of its children that have been waited for (user + system)."""
