@@ -10,6 +10,8 @@ Sections (one JSON line each, also collected in DIR/target_forward.json):
   relative difference to SDPA.
 * features: the whole feature forward of the Qwen3-8B-shaped random target (taps [1, 9, 17, 25, 33], compiled
   decoder layers as the trainer compiles them): ms, tokens/s, the kernel time by class and the top kernels.
+* features_float8: the same forward with `target.float8` beside its bf16 one in the same process: ms each,
+  the speed-up, each tap's relative difference to bf16, the float8 forward's kernel time by class.
 * gemms: the projections of one target layer apart and fused (q/k/v, gate/up), and the drafter loss's LM head
   (rows x 4096 x 151936, forward and the rows' gradient) in bf16 and float8 (rowwise scales).
 Timings are medians of CUDA-event-timed repetitions after warm-up.
@@ -130,6 +132,33 @@ def sec_features(args, out: Path) -> None:
                              **kernel_classes(lambda: target.features(ids))})
 
 
+def sec_features_float8(args, out: Path) -> None:
+    """The same feature forward with `target.float8` (the decoder layers' linears in float8, rowwise), beside
+    the bf16 one of the same model in the same process."""
+    from dflash.compile import _allow_recompiles, compile_target_layers
+    from dflash.config import default_layer_ids
+    from dflash.float8 import target_float8
+    from dflash.models.target import Target, build_hf_model
+
+    model = build_hf_model(None, dict(QWEN3_8B), "bfloat16", seed=0, device="cuda")
+    target = Target(model, default_layer_ids(36, 5))
+    compile_target_layers(target, "default")
+    ids = torch.randint(0, 151936, (args.batch, args.length), device="cuda")
+    bf16_ms = cuda_ms(lambda: target.features(ids), warmup=3, iters=8)
+    want = target.features(ids)
+    _allow_recompiles(2 * len(target.layers))  # each layer compiles again with the float8 forwards
+    done, kept = target_float8(target)
+    fp8_ms = cuda_ms(lambda: target.features(ids), warmup=3, iters=8)
+    got = target.features(ids)
+    hid = QWEN3_8B["hidden_size"]
+    per_tap = [round(rel(got[..., i * hid:(i + 1) * hid], want[..., i * hid:(i + 1) * hid]), 4)
+               for i in range(len(target.layer_ids))]
+    record(out, "features_float8", {"taps": target.layer_ids, "tokens": args.batch * args.length,
+                                    "float8_linears": done, "kept": kept, "bf16_ms": round(bf16_ms, 2),
+                                    "float8_ms": round(fp8_ms, 2), "speedup": round(bf16_ms / fp8_ms, 3),
+                                    "rel_diff_per_tap": per_tap, "float8": kernel_classes(lambda: target.features(ids))})
+
+
 def sec_gemms(args, out: Path) -> None:
     m, hid, inter = args.batch * args.length, 4096, 12288
     x = torch.randn(m, hid, device="cuda", dtype=torch.bfloat16)
@@ -192,7 +221,8 @@ def main() -> int:
     record(out, "machine", {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
     for name in args.sections.split(","):
         try:
-            {"attention": sec_attention, "features": sec_features, "gemms": sec_gemms}[name](args, out)
+            {"attention": sec_attention, "features": sec_features, "features_float8": sec_features_float8,
+             "gemms": sec_gemms}[name](args, out)
             torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001 - report and go on to the next section
             record(out, name, {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"})

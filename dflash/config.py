@@ -27,6 +27,7 @@ class TargetConfig:
     layer_ids: list[int] | None = None  # tapped layers; default spread evenly (DESIGN §2)
     allow_slow_path: bool = False  # allow hybrid targets on CUDA without the fast kernels
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None = transformers' default
+    float8: bool = False  # the feature forward's linear layers in float8 (rowwise); decoding keeps `dtype`
 
 
 @dataclass

@@ -25,24 +25,26 @@ INSTALL_HINT = ("install torchao in the trainer's venv (pip install 'torchao>=0.
                 "dflash_venv_extra_packages: ['torchao==0.18.0'])")
 
 
-def check_float8(device: torch.device) -> None:
-    """Raise ConfigError naming the problem and the fix when float8 linears cannot run on `device`."""
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(f"drafter.float8 is set but torchao cannot be imported ({exc}): {INSTALL_HINT}, "
-                          "or set drafter.float8: false") from None
+def check_float8(device: torch.device, key: str = "drafter.float8", torchao: bool = True) -> None:
+    """Raise ConfigError naming the problem and the fix when float8 matmuls cannot run on `device` for the
+    setting `key` (torchao needed where `torchao`: the drafter's Float8Linear)."""
+    if torchao:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"{key} is set but torchao cannot be imported ({exc}): {INSTALL_HINT}, "
+                              f"or set {key}: false") from None
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         capability = torch.cuda.get_device_capability(index)
         if tuple(capability) < MIN_CAPABILITY:
             name = torch.cuda.get_device_name(index)
-            raise ConfigError(f"drafter.float8 needs float8 tensor cores (compute capability 8.9 or newer: L40S, "
+            raise ConfigError(f"{key} needs float8 tensor cores (compute capability 8.9 or newer: L40S, "
                               f"H100, H200, B200); cuda:{index} is {name}, {capability[0]}.{capability[1]}. "
-                              "Set drafter.float8: false")
+                              f"Set {key}: false")
     elif device.type == "cpu":
-        log.warning("drafter.float8 on the CPU runs torch's reference float8 matmul: correct, not faster "
+        log.warning(f"{key} on the CPU runs torch's reference float8 matmul: correct, not faster "
                     "(meant for tests; the speed-up needs float8 tensor cores)")
 
 
@@ -124,3 +126,53 @@ def float8_head(weight: torch.Tensor) -> Float8Head:
             return head
     _HEAD[:] = [Float8Head(weight)]
     return _HEAD[0]
+
+
+# ------------------------------------------------------------------------------- the target's feature forward
+def frozen_float8_forward(linear: nn.Linear):
+    """A forward for the frozen `linear` in float8: its weight cast once (e4m3, one scale per output row), the
+    input cast per call (e4m3, one scale per row), one `torch._scaled_mm` accumulating in fp32; the output in
+    bf16 (what rowwise float8 matmuls give), then in the input's dtype."""
+    w8, w_scale = rowwise(linear.weight.detach())
+    scale_b = w_scale.t()  # (1, out)
+    bias = linear.bias.detach() if linear.bias is not None else None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x8, x_scale = rowwise(x.reshape(-1, x.shape[-1]))
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=torch.bfloat16)
+        y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+        return y if bias is None else y + bias
+
+    return forward
+
+
+def target_float8(target: nn.Module) -> tuple[int, int]:
+    """`target.features` (a `Target`, or a stage of one) with the decoder layers' linear layers in float8
+    (`target.float8`): during that call only, each eligible `nn.Linear` of the layers the feature forward runs
+    (up to the deepest tapped one) takes a `frozen_float8_forward`, removed after it; the eval's decoding and
+    regeneration call the model itself and keep its own precision. Returns (layers in float8, layers kept:
+    a dimension not divisible by 16). Install before `dflash.compile.compile_target_layers`, or after: the
+    compiled layers trace whichever forward is installed when they run, and it is the same one every step."""
+    layers = list(target.layers)
+    tapped = getattr(target, "layer_ids", None)
+    if tapped:
+        layers = layers[: max(tapped) + 1]
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)]
+    swaps = [(m, frozen_float8_forward(m)) for m in linears if m.in_features % 16 == 0 and m.out_features % 16 == 0]
+    eager_features = target.features
+
+    def features(*args, **kwargs):
+        own = [module.__dict__.get("forward") for module, _ in swaps]  # an instance-level forward, put back
+        for module, forward in swaps:
+            module.forward = forward
+        try:
+            return eager_features(*args, **kwargs)
+        finally:
+            for (module, _), before in zip(swaps, own, strict=True):
+                if before is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = before
+
+    target.features = features
+    return len(swaps), len(linears) - len(swaps)

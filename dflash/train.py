@@ -30,7 +30,7 @@ from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
 from dflash.errors import BadInput, Diverged
 from dflash.evaluate import Evaluator, TargetFeatures
-from dflash.float8 import check_float8, check_float8_head, convert_linears, float8_linears
+from dflash.float8 import check_float8, check_float8_head, convert_linears, float8_linears, target_float8
 from dflash.flops import drafter_step_flops, peak_flops
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
@@ -243,6 +243,8 @@ class Trainer:
         self.device = self._device or pick_device(c.runtime.device)
         if c.drafter.float8:  # before any model loads
             check_float8(self.device)
+        if c.target.float8 and with_target:
+            check_float8(self.device, "target.float8", torchao=False)
         self.input_timer = InputTimer(self.device)
         self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
         self.previous_end = previous_end(out) if self.is_reporter else None  # before the heartbeat is rewritten
@@ -255,6 +257,10 @@ class Trainer:
             self.ckpt.drop_best("a fresh start (checkpoint.resume=false)")
         target = self.source.open(c, layer_ids, self.device) if with_target else None
         self.inputs: RunInputs = build_run_inputs(c, target, layer_ids)
+        if target is not None and c.target.float8:  # after regeneration too: it decodes in the target's dtype
+            done, kept = target_float8(target)
+            log.info(f"target: the feature forward's {done} linear layers in float8 (rowwise)"
+                     + (f"; {kept} kept in {c.target.dtype} (a dimension not divisible by 16)" if kept else ""))
         if target is not None and self.compile_plan.target:  # after regeneration: it decodes eagerly
             compile_target_layers(target, self.compile_plan.target_mode)
         self.sampler = self.inputs.sampler(self.rank, self.world_size)

@@ -245,3 +245,94 @@ def test_float8_head_refuses_a_head_shape_float8_matmuls_cannot_take(tiny_config
     with pytest.raises(ConfigError, match="the LM head is 90 x"):
         Trainer(cfg).setup()
     assert not any((tmp_path / "odd").glob("checkpoints/step-*"))
+
+
+# ------------------------------------------------------------------------------- target.float8
+TARGET = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_target_float8_features_follow_the_full_precision_ones_and_decoding_keeps_its_precision():
+    from dflash.float8 import target_float8
+    from dflash.models.target import Target, build_hf_model
+
+    model = build_hf_model(None, dict(TARGET), "float32", seed=0)
+    target = Target(model, [1, 3])
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), target.capture_all():
+        logits = model(input_ids=ids).logits
+    want = target.features(ids)
+    done, kept = target_float8(target)
+    assert (done, kept) == (4 * 7, 0)  # layers 0-3 run (the deepest tap is 3): q, k, v, o, gate, up, down each
+    got = target.features(ids)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert not torch.equal(got, want)  # the float8 matmuls did run
+    assert _rel(got, want) < 0.08  # e4m3's 3 mantissa bits, rowwise scales: a few percent
+    assert torch.equal(target.features(ids), got)  # the same cast every call
+    # outside `features` the model is its own again: the eval's decoding and regeneration are unchanged
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with torch.no_grad(), target.capture_all():
+        assert torch.equal(model(input_ids=ids).logits, logits)
+
+
+def test_target_float8_keeps_odd_layers_and_puts_back_an_instance_forward():
+    from dflash.float8 import target_float8
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 10))])
+
+        def features(self, x):
+            return self.layers[0](x)
+
+    holder = Holder()
+    own = holder.layers[0][0].forward
+    holder.layers[0][0].forward = own  # an instance-level forward set by someone else
+    x = torch.randn(3, 5, 32)
+    want = holder.features(x)
+    assert target_float8(holder) == (1, 1)  # the 48 x 10 layer cannot take float8
+    got = holder.features(x)
+    assert got.shape == (3, 5, 10) and _rel(got, want) < 0.08 and not torch.equal(got, want)
+    assert holder.layers[0][0].__dict__["forward"] is own and "forward" not in holder.layers[0][1].__dict__
+
+
+def test_target_float8_in_compiled_layers_gives_the_eager_float8_features():
+    from dflash.compile import compile_target_layers
+    from dflash.float8 import target_float8
+    from dflash.models.target import Target, build_hf_model
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager = Target(build_hf_model(None, dict(TARGET), "float32", seed=0), [1, 3])
+    target_float8(eager)
+    compiled = Target(build_hf_model(None, dict(TARGET), "float32", seed=0), [1, 3])
+    target_float8(compiled)
+    guard = compile_target_layers(compiled, "default", backend="aot_eager")
+    want = eager.features(ids)
+    for _ in range(2):  # the second call replays: same forwards installed, no recompile
+        assert torch.allclose(compiled.features(ids), want, rtol=1e-4, atol=1e-4)
+    assert guard.failed is None
+
+
+def test_target_float8_trains_and_is_refused_on_a_gpu_without_float8_tensor_cores(tiny_config, tmp_path, monkeypatch,
+                                                                                  caplog):
+    losses = {}
+    for fp8 in (False, True):
+        cfg = _small(copy.deepcopy(tiny_config))
+        cfg.output_dir = str(tmp_path / f"t8-{fp8}")
+        cfg.target.float8 = fp8
+        trainer = Trainer(cfg).setup()
+        losses[fp8] = [trainer.train_step()[1].loss for _ in range(4)]
+    assert losses[True][0] != losses[False][0]  # the features differ by float8 rounding
+    assert losses[True][0] == pytest.approx(losses[False][0], rel=0.02)
+    assert all(x == x for x in losses[True]) and losses[True][-1] < losses[True][0]
+    assert "the feature forward's" in caplog.text and "linear layers in float8" in caplog.text
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match=r"target\.float8 needs float8 tensor cores.*Set target\.float8: false"):
+        check_float8(torch.device("cuda", 0), "target.float8", torchao=False)

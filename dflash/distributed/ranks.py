@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dflash import stop
 from dflash.compile import compile_target_layers, configure_for_run
+from dflash.float8 import check_float8, target_float8
 from dflash.config import RunConfig
 from dflash.data.buckets import Batch
 from dflash.distributed.stages import TargetStage, stage_bounds
@@ -236,6 +237,8 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
     replica, stage = plan.replica_of(rank), plan.stage_of(rank)
     chain = plan.replica_ranks(replica)
     layer_ids = layer_ids_of(c)
+    if c.target.float8:  # before any model loads
+        check_float8(device, "target.float8", torchao=False)
     inputs = build_run_inputs(c, None, layer_ids, need_data=stage == 0)
     bounds = stage_bounds(max(layer_ids), stages)
     start, stop_at = bounds[stage]
@@ -250,6 +253,8 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
     if stage == 0:
         check_token_range(inputs.train_set, part.embed_tokens.weight.shape[0])
     compile_plan, _ = configure_for_run(c.compile, c.output_dir, device)
+    if c.target.float8:
+        target_float8(part)
     if compile_plan.target:
         compile_target_layers(part, compile_plan.target_mode)
     hidden = part.hidden_size
