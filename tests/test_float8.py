@@ -336,3 +336,28 @@ def test_target_float8_trains_and_is_refused_on_a_gpu_without_float8_tensor_core
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match=r"target\.float8 needs float8 tensor cores.*Set target\.float8: false"):
         check_float8(torch.device("cuda", 0), "target.float8", torchao=False)
+
+
+def test_target_float8_stages_of_a_split_target_chain_to_the_unsplit_float8_features():
+    """A layer-split target (topology.target_stages) puts each stage's layers in float8: chained, the stages give
+    the unsplit float8 target's features."""
+    from dflash.distributed.stages import TargetStage, stage_bounds
+    from dflash.float8 import target_float8
+    from dflash.models.target import Target, build_hf_model
+
+    taps = [1, 2, 4]
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(2))
+    unsplit = Target(build_hf_model(None, dict(TARGET), "float32", seed=3), taps)
+    plain = unsplit.features(ids)
+    assert target_float8(unsplit) == (5 * 7, 0)
+    want = unsplit.features(ids)
+    hidden, collected, converted = None, [], 0
+    for s, (start, stop) in enumerate(stage_bounds(max(taps), 2)):
+        stage = TargetStage(build_hf_model(None, dict(TARGET), "float32", seed=3), taps, start, stop,
+                            keep_embedding=s == 0, keep_head=s == 0)
+        converted += target_float8(stage)[0]
+        hidden, got = stage(ids, None, hidden)
+        collected += got
+    feats = torch.cat(collected, dim=-1)
+    assert converted == 5 * 7
+    assert torch.allclose(feats, want, atol=1e-5) and not torch.allclose(feats, plain, atol=1e-3)

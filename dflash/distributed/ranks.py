@@ -23,13 +23,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dflash import stop
 from dflash.compile import compile_target_layers, configure_for_run
-from dflash.float8 import check_float8, target_float8
 from dflash.config import RunConfig
 from dflash.data.buckets import Batch
 from dflash.distributed.stages import TargetStage, stage_bounds
 from dflash.distributed.topology import RankPlan
 from dflash.distributed.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
 from dflash.errors import BadInput
+from dflash.float8 import check_float8, target_float8
 from dflash.inputs import build_run_inputs, check_token_range, layer_ids_of
 from dflash.logs import EVERY_RANK, get_logger
 from dflash.metrics import MetricsWindow
