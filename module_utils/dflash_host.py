@@ -378,8 +378,11 @@ def open_directory_nofollow(path, create=False):
             except FileNotFoundError:
                 if not create:
                     raise
-                os.mkdir(name, 0o755, dir_fd=dir_fd)
-                created = True
+                try:
+                    os.mkdir(name, 0o755, dir_fd=dir_fd)
+                    created = True
+                except FileExistsError:  # made since the stat by another process (another node, shared storage):
+                    pass  # inspected below as any existing component, a link of another account refused
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
                 if st.st_uid != 0:

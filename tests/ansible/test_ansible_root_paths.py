@@ -396,3 +396,37 @@ def test_a_deploy_refuses_a_run_directory_linked_to_a_root_directory(tmp_path):
         assert os.stat(targets[which] / "job").st_mode & 0o777 == 0o700
         message = results[key] or ""
         assert f"{link} is a symbolic link owned by uid 4242" in message and "root does not follow it" in message, message
+
+
+@pytest.mark.parametrize("made_by_the_other", ["directory", "trainers link"])
+def test_a_component_made_between_the_check_and_mkdir_is_taken_as_found(tmp_path, monkeypatch, made_by_the_other):
+    """Two nodes of a multi-node job create the run directory on shared storage at once: the one whose mkdir comes
+    second finds it made (EEXIST) and goes on with it as with any existing component - a directory is opened, a
+    link of another account is still refused."""
+    from ansible.module_utils import dflash_host
+
+    shared, target = tmp_path / "shared", tmp_path / "elsewhere"
+    shared.mkdir()
+    target.mkdir()
+    real_mkdir = os.mkdir
+
+    def other_node_first(name, mode=0o777, *, dir_fd=None):
+        if name == "run":  # the other node's mkdir lands between this one's stat and mkdir
+            if made_by_the_other == "directory":
+                real_mkdir(name, mode, dir_fd=dir_fd)
+            else:
+                os.symlink(str(target), name, dir_fd=dir_fd)
+                os.chown(name, 65534, 65534, dir_fd=dir_fd, follow_symlinks=False)
+        return real_mkdir(name, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(dflash_host.os, "mkdir", other_node_first)
+    if made_by_the_other == "directory":
+        fd, created = dflash_host.open_directory_nofollow(str(shared / "run" / "logs"), create=True)
+        try:
+            assert os.path.samefile(f"/proc/self/fd/{fd}", shared / "run" / "logs") and created
+        finally:
+            os.close(fd)
+    else:
+        with pytest.raises(dflash_host.UnsafeFile, match=r"run is a symbolic link owned by"):
+            dflash_host.open_directory_nofollow(str(shared / "run" / "logs"), create=True)
+        assert not (target / "logs").exists()
