@@ -165,6 +165,24 @@ def keep_mixers_eager(layers: list[nn.Module], mixers: tuple[str, ...]) -> None:
                 module._dflash_kept_eager = True
 
 
+@contextlib.contextmanager
+def forwards_installed(pairs: list[tuple[nn.Module, Callable]]):
+    """Within: each module of `pairs` runs its paired forward (set as an instance attribute); after, each module
+    has its own forward back (an instance-level one it had before, else its class's). How a target's `features`
+    runs its compiled layers, or its linear layers in float8 (dflash.float8.target_float8), and nothing else."""
+    own = [module.__dict__.get("forward") for module, _ in pairs]
+    for module, forward in pairs:
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for (module, _), before in zip(pairs, own, strict=True):
+            if before is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = before
+
+
 def compile_target_layers(target: Any, mode: str, backend: str | Callable = "inductor") -> EagerFallback:
     """Each decoder layer of a `Target` (or a stage of one) compiled for its `features` calls (the forward hooks
     stay eager, and so do the token mixers its family keeps eager: traced, the hybrid target's GatedDeltaNet
@@ -178,18 +196,13 @@ def compile_target_layers(target: Any, mode: str, backend: str | Callable = "ind
     keep_mixers_eager(layers, getattr(target, "eager_mixers", ()))  # its family's (dflash.models.families)
     _allow_recompiles(len(layers))
     _quiet_autotune_candidates(mode)
-    compiled = [torch.compile(layer.forward, mode=torch_mode(mode), backend=backend)
-                for layer in layers]
+    compiled = list(zip(layers, [torch.compile(layer.forward, mode=torch_mode(mode), backend=backend)
+                                 for layer in layers], strict=True))
     eager_features = target.features
 
     def compiled_features(*args, **kwargs):
-        for layer, forward in zip(layers, compiled, strict=True):
-            layer.forward = forward
-        try:
+        with forwards_installed(compiled):
             return eager_features(*args, **kwargs)
-        finally:
-            for layer in layers:
-                layer.__dict__.pop("forward", None)
 
     guard = EagerFallback("target (its decoder layers)", compiled_features, eager_features)
     target.features = guard

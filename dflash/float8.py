@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash.compile import forwards_installed
 from dflash.errors import ConfigError
 from dflash.logs import get_logger
 
@@ -162,17 +163,8 @@ def target_float8(target: nn.Module) -> tuple[int, int]:
     eager_features = target.features
 
     def features(*args, **kwargs):
-        own = [module.__dict__.get("forward") for module, _ in swaps]  # an instance-level forward, put back
-        for module, forward in swaps:
-            module.forward = forward
-        try:
+        with forwards_installed(swaps):
             return eager_features(*args, **kwargs)
-        finally:
-            for (module, _), before in zip(swaps, own, strict=True):
-                if before is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = before
 
     target.features = features
     return len(swaps), len(linears) - len(swaps)
