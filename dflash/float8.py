@@ -167,4 +167,7 @@ def target_float8(target: nn.Module) -> tuple[int, int]:
             return eager_features(*args, **kwargs)
 
     target.features = features
-    return len(swaps), len(linears) - len(swaps)
+    kept = len(linears) - len(swaps)
+    log.info(f"target: the feature forward's {len(swaps)} linear layers in float8 (rowwise)"
+             + (f"; {kept} kept in their dtype (a dimension not divisible by 16)" if kept else ""))
+    return len(swaps), kept

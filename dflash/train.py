@@ -258,9 +258,7 @@ class Trainer:
         target = self.source.open(c, layer_ids, self.device) if with_target else None
         self.inputs: RunInputs = build_run_inputs(c, target, layer_ids)
         if target is not None and c.target.float8:  # after regeneration too: it decodes in the target's dtype
-            done, kept = target_float8(target)
-            log.info(f"target: the feature forward's {done} linear layers in float8 (rowwise)"
-                     + (f"; {kept} kept in {c.target.dtype} (a dimension not divisible by 16)" if kept else ""))
+            target_float8(target)  # logs how many of its linear layers it puts in float8
         if target is not None and self.compile_plan.target:  # after regeneration: it decodes eagerly
             compile_target_layers(target, self.compile_plan.target_mode)
         self.sampler = self.inputs.sampler(self.rank, self.world_size)
