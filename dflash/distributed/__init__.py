@@ -38,8 +38,10 @@ class PeerFailure(RuntimeError):
 def is_peer_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 
+    from dflash.distributed.setup_barrier import SetupPeerLost
+
     text = str(exc)
-    return isinstance(exc, dist.DistError) or any(
+    return isinstance(exc, dist.DistError | SetupPeerLost) or any(
         marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
                                       "gloo/transport"))
 
@@ -66,7 +68,8 @@ def _run_rank(config: RunConfig) -> dict | None:
     import torch.distributed as dist
 
     from dflash import stop
-    from dflash.distributed.ranks import run_colocated, run_disaggregated
+    from dflash.distributed import setup_barrier
+    from dflash.distributed.ranks import check_setup_fault, run_colocated, run_disaggregated
 
     plan = plan_ranks(config.topology)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -87,6 +90,8 @@ def _run_rank(config: RunConfig) -> dict | None:
     backend = backend_for(config)
     timeout = timedelta(seconds=config.topology.timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    setup_barrier.begin(config.topology.timeout_s)  # setups of any length end together (setup_barrier.py)
+    check_setup_fault(rank)
     log.info(f"distributed: {config.topology.mode}, {plan.world_size} ranks ({backend}), "
              f"{len(plan.drafter_ranks)} drafter rank(s)"
              + (f", {len(plan.target_ranks)} target rank(s)" if plan.disaggregated else "")

@@ -25,6 +25,7 @@ from dflash import stop
 from dflash.compile import compile_target_layers, configure_for_run
 from dflash.config import RunConfig
 from dflash.data.buckets import Batch
+from dflash.distributed import setup_barrier
 from dflash.distributed.stages import TargetStage, stage_bounds
 from dflash.distributed.topology import RankPlan
 from dflash.distributed.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
@@ -38,6 +39,7 @@ from dflash.models.target import DTYPES, build_hf_model, require_fast_path
 from dflash.train import LocalTarget, Trainer, run_to_end
 
 FAULT_ENV = "DFLASH_FAULT_INJECT"
+SETUP_FAULT_ENV = "DFLASH_SETUP_FAULT_INJECT"
 
 log = get_logger(__name__)
 
@@ -65,6 +67,22 @@ def check_fault(rank: int, step: int) -> None:
         while True:
             time.sleep(3600)
     raise InjectedFault(f"injected fault ({FAULT_ENV}={spec}) on rank {rank} after {step} steps")
+
+
+def check_setup_fault(rank: int) -> None:
+    """Test hook DFLASH_SETUP_FAULT_INJECT=RANK:SECONDS: global rank RANK's setup takes SECONDS longer (a slower
+    disk, a busier machine), so that it ends after its peers' by more than topology.timeout_s."""
+    spec = os.environ.get(SETUP_FAULT_ENV)
+    if not spec:
+        return
+    try:
+        want_rank, seconds = spec.split(":")
+        want_rank, seconds = int(want_rank), float(seconds)
+    except ValueError:
+        raise BadInput(f"{SETUP_FAULT_ENV}={spec!r}: expected RANK:SECONDS, e.g. 0:30") from None
+    if rank == want_rank:
+        log.info(f"rank {rank}: setting up {seconds:g}s slower ({SETUP_FAULT_ENV}={spec})", extra=EVERY_RANK)
+        time.sleep(seconds)
 
 
 def _broadcast_object(obj, src: int, group=None):
@@ -113,6 +131,7 @@ class DataParallel:
 
     def wrap(self, drafter: Drafter, step: int) -> nn.Module:
         """After resume: check every rank resumed the same step, then wrap the drafter in DDP."""
+        setup_barrier.wait()  # the first collective of a colocated rank: every rank's setup is done
         steps = torch.tensor([step, -step], dtype=torch.long, device=self.device)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)
         if int(steps[0]) != -int(steps[1]):
@@ -165,6 +184,7 @@ class RemoteTargets:
 
     def connect(self, trainer: Trainer) -> None:
         c, plan = self.config, self.plan
+        setup_barrier.wait()  # the first collective of a disaggregated drafter rank
         _broadcast_object({"step": trainer.step, "total_steps": trainer.total_steps,
                            "sampler": trainer.sampler.state_dict()}, plan.reporter)
         embed, self.head = share_frozen_head(None, self.head_group, plan.target_ranks[0], self.global_rank,
@@ -258,6 +278,7 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
     if compile_plan.target:
         compile_target_layers(part, compile_plan.target_mode)
     hidden = part.hidden_size
+    setup_barrier.wait()  # the first collective of a target rank: every rank's setup is done
     info = _broadcast_object(None, plan.reporter)
     if rank == plan.target_ranks[0]:
         share_frozen_head(part, head_group, rank, rank, device, dtype)

@@ -63,12 +63,14 @@ def write(data: dict, path: Path) -> Path:
     return path
 
 
-def spawn(config: Path, *overrides: str, fault: str | None = None) -> subprocess.Popen:
+def spawn(config: Path, *overrides: str, fault: str | None = None, setup_fault: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("DFLASH_") and k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     env["PYTHONUNBUFFERED"] = "1"
     if fault:
         env["DFLASH_FAULT_INJECT"] = fault
+    if setup_fault:
+        env["DFLASH_SETUP_FAULT_INJECT"] = setup_fault
     return subprocess.Popen([sys.executable, "-m", "dflash", "train", str(config), *overrides], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -204,6 +206,21 @@ def test_a_hanging_rank_is_timed_out_not_waited_for(tmp_path):
     assert "Timed out waiting 30000ms" in log.split("Root Cause (first observed failure):", 1)[1]
     assert CheckpointManager(out / "checkpoints").latest_valid().name == "step-00000003"
     print(f"hung job ended after {elapsed:.0f}s")
+
+
+@pytest.mark.slow
+def test_setups_further_apart_than_the_timeout_still_train(tmp_path):
+    """Rank 0 sets up 25 s longer than rank 1 (its checkpoint recovery, a slower disk, a busier node) with
+    topology.timeout_s 8: rank 1 waits in the setup barrier while rank 0 beats, and the job trains to its end.
+    Without the barrier, rank 1's first all-reduce timed out after 8 s and the job failed at its start."""
+    out = tmp_path / "run"
+    data = tiny(out, {**COLOCATED, "timeout_s": 8})
+    data["optim"]["max_steps"] = 3
+    rc, log, _ = finish(spawn(write(data, tmp_path / "run.yaml"), setup_fault="0:25"), 900)
+    assert rc == 0, log[-4000:]
+    assert "rank 0: setting up 25s slower" in log
+    assert "done: step 3" in log
+    assert json.loads((out / "heartbeat.json").read_text())["status"] == "finished"
 
 
 @pytest.mark.slow
