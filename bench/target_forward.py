@@ -14,6 +14,11 @@ Sections (one JSON line each, also collected in DIR/target_forward.json):
   the speed-up, each tap's relative difference to bf16, the float8 forward's kernel time by class.
 * gemms: the projections of one target layer apart and fused (q/k/v, gate/up), and the drafter loss's LM head
   (rows x 4096 x 151936, forward and the rows' gradient) in bf16 and float8 (rowwise scales).
+* gemm_sites: why the feature forward's GEMMs run slower than the same GEMMs alone. Each GEMM shape of the
+  compiled forward (from the profiler's input shapes) with its device time and TFLOP/s in place, beside the
+  same shape alone, timed one call at a time (a sync after each, as `gemms` times) and back to back (100 calls,
+  one sync); the GPU's SM clock, power and throttle reasons sampled (nvidia-smi) during each; all of it again
+  with cuBLASLt as torch's preferred BLAS library.
 Timings are medians of CUDA-event-timed repetitions after warm-up.
 """
 
@@ -209,6 +214,133 @@ def _lm_head(data: dict) -> None:
         data["fp8_error"] = " ".join(str(exc).split())[:300]
 
 
+class GpuSampler:
+    """nvidia-smi's SM clock, power and active clock-event reasons, sampled in a thread; `window(t0, t1)` gives
+    the medians (and the reasons seen) of the samples between two `time.time()` stamps."""
+
+    FIELDS = ["clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active"]
+
+    def __init__(self) -> None:
+        import subprocess
+        import threading
+        import time
+
+        self.samples: list[tuple[float, list[str]]] = []
+        self.fields = list(self.FIELDS)
+        probe = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            self.fields = self.fields[:3]
+        self.limit = subprocess.run(["nvidia-smi", "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader"],
+                                    capture_output=True, text=True).stdout.strip()
+        self._stop = threading.Event()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                got = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(self.fields)}",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+                self.samples.append((time.time(), [x.strip() for x in got.strip().split(",")]))
+                time.sleep(0.05)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def window(self, t0: float, t1: float) -> dict:
+        import statistics
+
+        rows = [v for t, v in self.samples if t0 <= t <= t1 and len(v) == len(self.fields)]
+        if not rows:
+            return {"samples": 0}
+        out: dict = {"samples": len(rows)}
+        for i, name in enumerate(self.fields[:3]):
+            try:
+                out[name] = round(statistics.median(float(r[i]) for r in rows), 1)
+            except ValueError:
+                out[name] = rows[-1][i]
+        if len(self.fields) > 3:
+            out["reasons"] = sorted({r[3] for r in rows})
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _sustained(fn, seconds: float = 3.0) -> tuple[float, float, float]:
+    """`fn` back to back for about `seconds` (one sync at the end): (ms per call, start, end stamps)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    one = cuda_ms(fn, warmup=1, iters=3)
+    n = max(10, int(seconds * 1e3 / max(one, 1e-3)))
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n, t0, time.time()
+
+
+def sec_gemm_sites(args, out: Path) -> None:
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash.compile import compile_target_layers
+    from dflash.config import default_layer_ids
+    from dflash.models.target import Target, build_hf_model
+
+    sampler = GpuSampler()
+    model = build_hf_model(None, dict(QWEN3_8B), "bfloat16", seed=0, device="cuda")
+    target = Target(model, default_layer_ids(36, 5))
+    compile_target_layers(target, "default")
+    ids = torch.randint(0, 151936, (args.batch, args.length), device="cuda")
+    feats = lambda: target.features(ids)  # noqa: E731
+    data: dict = {"gpu_limits": sampler.limit}
+    for blas in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(blas)
+        res: dict = {}
+        ms, t0, t1 = _sustained(feats, seconds=6.0)
+        res["features_sustained"] = {"ms": round(ms, 2), "gpu": sampler.window(t0, t1)}
+        res["features_synced"] = {"ms": round(cuda_ms(feats, warmup=2, iters=8), 2)}
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            feats()
+            torch.cuda.synchronize()
+        shapes: dict = {}
+        for evt in prof.key_averages(group_by_input_shape=True):
+            if evt.key not in ("aten::mm", "aten::addmm"):
+                continue
+            dims = [s for s in evt.input_shapes if len(s) == 2][:2]
+            if len(dims) != 2:
+                continue
+            (m, k), (_, n) = dims
+            dev_ms = evt.self_device_time_total / 1e3
+            flops = 2 * m * k * n * evt.count
+            shapes[f"{m}x{k}x{n}"] = {"calls": evt.count, "ms_in_place": round(dev_ms, 2),
+                                      "tflops_in_place": round(flops / dev_ms / 1e9, 1) if dev_ms else None}
+        for key, row in shapes.items():
+            m, k, n = (int(x) for x in key.split("x"))
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            mm = lambda a=a, w=w: a @ w.t()  # noqa: E731
+            flops = 2 * m * k * n
+            synced = cuda_ms(mm, warmup=3, iters=20)
+            ms, t0, t1 = _sustained(mm, seconds=3.0)
+            row.update(alone_synced_tflops=round(flops / synced / 1e9, 1), alone_sustained_tflops=round(flops / ms / 1e9, 1),
+                       alone_gpu=sampler.window(t0, t1))
+            del a, w
+        res["shapes"] = shapes
+        res["kernels"] = kernel_classes(feats)
+        data[blas] = res
+        record(out, "gemm_sites", data)
+        time.sleep(2)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    sampler.stop()
+    record(out, "gemm_sites", data)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -222,7 +354,7 @@ def main() -> int:
     for name in args.sections.split(","):
         try:
             {"attention": sec_attention, "features": sec_features, "features_float8": sec_features_float8,
-             "gemms": sec_gemms}[name](args, out)
+             "gemms": sec_gemms, "gemm_sites": sec_gemm_sites}[name](args, out)
             torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001 - report and go on to the next section
             record(out, name, {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:500]}"})
