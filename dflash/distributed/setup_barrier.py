@@ -1,4 +1,4 @@
-"""The ranks' setups end together before their first collective (docs/topology.md, "Start-up").
+"""The ranks' setups end together before their first collective (docs/topology.md, "Setups of different length").
 
 The ranks of a job set up at different speeds: the reporter recovers and verifies the checkpoints, a node reads
 its model from a slower disk or regenerates its data on a busier machine. The collectives' timeout
@@ -124,7 +124,9 @@ def begin(timeout_s: float) -> SetupBarrier:
     from torch.distributed.distributed_c10d import _get_default_store
 
     global _CURRENT
-    _CURRENT = SetupBarrier(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s).begin()
+    beat_s = min(BEAT_S, timeout_s / 4)  # a short topology.timeout_s still sees a few beats of a live rank
+    _CURRENT = SetupBarrier(_get_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s,
+                            beat_s=beat_s).begin()
     return _CURRENT
 
 
