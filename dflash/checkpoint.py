@@ -52,13 +52,17 @@ ARCH_FIELD_OF_KEY = {"drafter.block_size": "block_size", "target.layer_ids": "ta
 
 
 def ensure_writable(directory: str | os.PathLike) -> Path:
-    """Fail early (bad input) when checkpoints could not be written, before any model loads."""
+    """Fail early (bad input) when checkpoints could not be written, before any model loads.
+
+    Every rank checks; on a run directory shared by several nodes the reporter's `recover()` on node 0 may remove
+    another node's probe between its write and its unlink (that node's PID is not alive in node 0's container):
+    the write succeeded, so the directory is writable all the same."""
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f"{PROBE_PREFIX}{os.getpid()}"
         probe.write_text("ok")
-        probe.unlink()
+        probe.unlink(missing_ok=True)
     except OSError as exc:
         raise BadInput(f"checkpoint directory '{directory}' is not writable ({exc.strerror}); choose another "
                        "output_dir or fix its permissions") from None

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,8 +45,10 @@ def file_mode() -> int:
 
 
 def temp_sibling(path: Path) -> Path:
-    """A hidden temp name next to `path`, unique per process, for write-then-rename."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """A hidden temp name next to `path` for write-then-rename, unique per process and host: the nodes of a job
+    share its run directory, and their containers can give the processes that write one file (the regenerated
+    data's cache at a first launch) the same PID."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def out_of_space(exc: BaseException, directory: str | os.PathLike) -> bool:

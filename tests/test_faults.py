@@ -18,7 +18,7 @@ import torch
 import yaml
 
 import dflash.checkpoint as ckpt_mod
-from dflash.checkpoint import CheckpointManager
+from dflash.checkpoint import CheckpointManager, ensure_writable
 from dflash.cli import main
 from dflash.config import default_layer_ids, load_config
 from dflash.data.chat import read_jsonl
@@ -107,6 +107,46 @@ def test_stale_temp_dirs_are_removed_at_start_but_never_a_checkpoint(tmp_path):
     assert leftovers(tmp_path) == []
     assert [p.name for p in m.list()] == ["step-00000001", "step-00000002"]
     assert m.latest_valid().name == "step-00000002"
+
+
+def test_a_probe_removed_by_another_nodes_recovery_does_not_fail_the_writable_check(tmp_path, monkeypatch):
+    """A run directory shared by two nodes: node 0's reporter recovers checkpoints/ at start and removes every
+    `.write-test-PID` whose PID is not alive in its own container, while a rank of node 1 checks that the
+    directory is writable. Its probe can vanish between its write and its unlink; the write succeeded, so the
+    check passes (the multinode scenario's relaunch failed on this: "not writable (No such file or directory)")."""
+    real_write = Path.write_text
+
+    def write_then_other_node_recovers(self, *args, **kwargs):
+        written = real_write(self, *args, **kwargs)
+        if self.name.startswith(".write-test-"):
+            with monkeypatch.context() as m:
+                m.setattr(ckpt_mod, "_alive", lambda pid: False)  # node 1's PID, seen from node 0
+                assert CheckpointManager(self.parent).recover() == []  # a probe is not worth a log line
+            assert not self.exists()
+        return written
+
+    monkeypatch.setattr(Path, "write_text", write_then_other_node_recovers)
+    assert ensure_writable(tmp_path / "checkpoints") == tmp_path / "checkpoints"
+    assert leftovers(tmp_path / "checkpoints") == []
+
+
+def test_two_nodes_writing_one_shared_file_with_the_same_pid_use_two_temp_files(tmp_path, monkeypatch):
+    """Two containers can give the processes that write one file of the shared run directory the same PID; each
+    writes whole through its own temp file, and both renames succeed (the last one wins, both are whole)."""
+    from dflash.fileio import atomic_file
+
+    target = tmp_path / "regenerated" / "synthetic.jsonl"
+    target.parent.mkdir()
+    monkeypatch.setattr("socket.gethostname", lambda: "node0")
+    first = atomic_file(target)
+    fh0 = first.__enter__()
+    fh0.write("from node 0\n")
+    monkeypatch.setattr("socket.gethostname", lambda: "node1")
+    with atomic_file(target) as fh1:  # node 1, the same PID, while node 0 is still writing
+        fh1.write("from node 1\n")
+    first.__exit__(None, None, None)
+    assert target.read_text() == "from node 0\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["synthetic.jsonl"]
 
 
 def test_resave_of_a_step_killed_between_the_renames_is_restored(tmp_path):
@@ -450,7 +490,7 @@ def test_default_layer_ids_use_pythons_round():
 KILL_AT = r"""
 import os, shutil, signal, sys
 import dflash.checkpoint as ckpt
-from dflash.checkpoint import CheckpointManager
+from dflash.checkpoint import CheckpointManager, ensure_writable
 directory, phase = sys.argv[1], sys.argv[2]
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 m = CheckpointManager(directory, keep_last=2)
