@@ -490,7 +490,7 @@ def test_default_layer_ids_use_pythons_round():
 KILL_AT = r"""
 import os, shutil, signal, sys
 import dflash.checkpoint as ckpt
-from dflash.checkpoint import CheckpointManager, ensure_writable
+from dflash.checkpoint import CheckpointManager
 directory, phase = sys.argv[1], sys.argv[2]
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 m = CheckpointManager(directory, keep_last=2)

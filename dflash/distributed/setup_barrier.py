@@ -56,6 +56,8 @@ class SetupBarrier:
     def _done_key(rank: int) -> str:
         return f"{PREFIX}done/{rank}"
 
+    DONE = f"{PREFIX}done"  # how many ranks finished their setup: the one key a waiting rank polls
+
     def begin(self) -> SetupBarrier:
         self.store.add(self._beat_key(self.rank), 1)
         self._thread = threading.Thread(target=self._beat, name="dflash-setup-beat", daemon=True)
@@ -79,15 +81,19 @@ class SetupBarrier:
         if self.passed:
             return
         self.store.set(self._done_key(self.rank), "1")
-        start = last_report = time.monotonic()
+        self.store.add(self.DONE, 1)
+        start = last_report = next_look = time.monotonic()
         seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat count, when it last changed here)
         missing = [r for r in range(self.world) if r != self.rank]
         try:
-            while True:
-                missing = [r for r in missing if not self.store.check([self._done_key(r)])]
-                if not missing:
-                    break
+            # one store read per poll; the missing ranks' own keys only once per beat (thousands of ranks wait)
+            while int(self.store.add(self.DONE, 0)) < self.world:
                 now = time.monotonic()
+                if now < next_look:
+                    time.sleep(self.poll_s)
+                    continue
+                next_look = now + self.beat_s
+                missing = [r for r in missing if not self.store.check([self._done_key(r)])]
                 for r in missing:
                     count = int(self.store.add(self._beat_key(r), 0))
                     if r not in seen or seen[r][0] != count:

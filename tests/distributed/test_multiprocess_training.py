@@ -210,15 +210,15 @@ def test_a_hanging_rank_is_timed_out_not_waited_for(tmp_path):
 
 @pytest.mark.slow
 def test_setups_further_apart_than_the_timeout_still_train(tmp_path):
-    """Rank 0 sets up 25 s longer than rank 1 (its checkpoint recovery, a slower disk, a busier node) with
-    topology.timeout_s 8: rank 1 waits in the setup barrier while rank 0 beats, and the job trains to its end.
-    Without the barrier, rank 1's first all-reduce timed out after 8 s and the job failed at its start."""
+    """Rank 0 sets up 30 s longer than rank 1 (its checkpoint recovery, a slower disk, a busier node) with
+    topology.timeout_s 12: rank 1 waits in the setup barrier while rank 0 beats, and the job trains to its end.
+    Without the barrier, rank 1's first all-reduce timed out after the timeout and the job failed at its start."""
     out = tmp_path / "run"
-    data = tiny(out, {**COLOCATED, "timeout_s": 8})
+    data = tiny(out, {**COLOCATED, "timeout_s": 12})
     data["optim"]["max_steps"] = 3
-    rc, log, _ = finish(spawn(write(data, tmp_path / "run.yaml"), setup_fault="0:25"), 900)
+    rc, log, _ = finish(spawn(write(data, tmp_path / "run.yaml"), setup_fault="0:30"), 900)
     assert rc == 0, log[-4000:]
-    assert "rank 0: setting up 25s slower" in log
+    assert "rank 0: setting up 30s slower" in log
     assert "done: step 3" in log
     assert json.loads((out / "heartbeat.json").read_text())["status"] == "finished"
 
