@@ -113,12 +113,15 @@ def test_the_molecule_jobs_keep_their_length_and_no_periodic_evals(name):
     config = _deployed(_job_config(GROUP, *layers))
     assert config.optim.max_steps == steps, f"{name}: {config.optim.max_steps} steps"
     assert config.logging.eval_interval == 0, f"{name}: an eval every {config.logging.eval_interval} steps"
+    # these jobs train beside the whole suite on a 2-core machine: a pause after each step, one intra-op thread
+    assert config.runtime.step_pause_s >= 0.5 and config.runtime.num_threads == 1, f"{name}: {config.runtime}"
 
 
 def test_the_ops_fixture_job_keeps_its_length_and_no_periodic_evals():
     group = yaml.safe_load((ROOT / "tests/ops/inventory/group_vars/dflash_containers.yml").read_text())
     config = _deployed(_job_config(group))
     assert config.optim.max_steps == 100000 and config.logging.eval_interval == 0
+    assert config.runtime.step_pause_s > 0 and config.runtime.num_threads == 1
 
 
 def test_the_merge_fails_a_job_that_relies_on_the_demos_length():

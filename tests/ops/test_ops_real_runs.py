@@ -66,7 +66,8 @@ def test_deploy_status_logs_stop_on_this_machine(cache, job_vars):
     # steps and periodic evals are the demo's).
     job_vars = {**job_vars, "dflash_job_config": {"logging": {"interval": 1, "eval_interval": 0},
                                                   "optim": {"max_steps": 100000}, "checkpoint": {"interval": 20},
-                                                  "data": {"synthetic": {"num_samples": 200}}}}
+                                                  "data": {"synthetic": {"num_samples": 200}},
+                                                  "runtime": {"num_threads": 1, "step_pause_s": 0.2}}}
     try:
         deployed = ops.deploy(INVENTORY, limit=one, progress=False, extravars=job_vars)
         assert deployed.ok, deployed.message
