@@ -314,6 +314,31 @@ def test_the_wait_gives_up_after_its_timeout_naming_what_and_the_job(tmp_path):
     assert "gave up waiting for the slow thing after 1s; it goes on in the background on localhost" in proc.stdout
 
 
+def test_the_wait_reads_the_results_file_while_the_task_runs_and_async_status_once_it_ended(tmp_path):
+    """A check while the task runs is one `cat` of its results file (a few ms on the target), not a module run
+    (about 0.2 s of CPU each, every 1-3 s of every wait); async_status gives the ended task's result, once."""
+    proc = run_play(tmp_path, [_background("sleep 7; echo slept"),
+                               {"name": "Wait", "dflash_wait": {"jid": "{{ job.ansible_job_id }}", "what": "it"},
+                                "register": "waited"},
+                               {"name": "Show", "ansible.builtin.debug": {"msg": "RESULT {{ waited.finished }} {{ waited.stdout }}"}}],
+                    "-vvv")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reads = [line for line in proc.stdout.splitlines() if "EXEC" in line and "cat " in line and str(tmp_path / "async") in line]
+    assert len(reads) >= 3, proc.stdout  # checked at 1, 2 and then every 3 s while it ran
+    assert proc.stdout.count("modules/async_status.py") == 1, proc.stdout  # "Using module file ...": one run
+    assert "RESULT True slept" in proc.stdout
+
+
+def test_only_the_async_wrappers_running_mark_reads_as_running():
+    plugin = _load_wait_plugin()
+    assert plugin.still_running('{"started": true, "finished": false, "ansible_job_id": "j1"}')
+    assert plugin.still_running('{"started": 1, "finished": 0, "ansible_job_id": "j1"}')
+    # a finished task's file holds its module's result; a half-read or missing file is async_status's to judge
+    for text in ('{"changed": true, "rc": 0, "stdout": "x"}', '{"started": 1, "finished": 1}', "", '{"started": 1',
+                 "[1]", "cat: /root/.ansible_async/j1: No such file or directory"):
+        assert not plugin.still_running(text), text
+
+
 def test_a_line_names_a_log_and_a_heartbeat_that_are_not_there_yet():
     plugin = _load_wait_plugin()
     progress = plugin.parse_progress(f"{plugin.MARK}\n", heartbeat=True)
