@@ -125,10 +125,10 @@ class ActionModule(ActionBase):
     TRANSFERS_FILES = False
     _requires_connection = True
 
-    def _status(self, jid: str, async_dir: str, task_vars: dict) -> dict:
+    def _status(self, jid: str, async_dir: str, results_file: str, task_vars: dict) -> dict:
         result = self._execute_module(module_name="ansible.legacy.async_status", task_vars=task_vars,
                                       module_args={"jid": jid, "mode": "status", "_async_dir": async_dir})  # fmt: skip
-        result = merge_hash({"ansible_job_id": jid, "results_file": self._connection._shell.join_path(async_dir, jid),
+        result = merge_hash({"ansible_job_id": jid, "results_file": results_file,
                              "started": True}, result)  # fmt: skip
         for key in ("started", "finished"):
             result[key] = bool(result.get(key))
@@ -176,7 +176,7 @@ class ActionModule(ActionBase):
             # Polled cheaply; once the file reads otherwise (finished, failed, not there), async_status says what
             # it is and its result is this task's.
             if not self._still_running(results_file):
-                status = self._status(args["jid"], async_dir, task_vars)
+                status = self._status(args["jid"], async_dir, results_file, task_vars)
                 if status["finished"] or status.get("failed"):
                     return merge_hash(result, status)
             now = time.monotonic()
