@@ -3,7 +3,9 @@
 Builds `dflash.train.Trainer` from a config (and overrides, as `dflash train` takes them), runs warm-up steps
 (compilation), times `--steps` steps (a sync after each, the trainer's own), then profiles two steps with
 torch.profiler and reports how much of their wall time the GPU was busy (the union of kernel intervals): what
-is left is the GPU waiting for the host (syncs, launches, host-side work). No logging, no checkpoints.
+is left is the GPU waiting for the host (syncs, launches, host-side work). No logging, no checkpoints. On a GPU
+with nvidia-smi, the timed steps' median power, SM clock and clock-event reasons (bench/gpu_power.py), the joules
+each sequence of 3072 costs and the sequences per second the card's power limit allows at that cost.
 
 Usage (GPU machine):  python bench/e2e_profile.py CONFIG [key=value ...] [--steps N] [--warmup N] [--label L]
 Prints one JSON line; with --out DIR appends it to DIR/e2e-profile.jsonl.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from gpu_power import GpuSampler  # noqa: E402
 
 
 def busy_ms(prof) -> tuple[float, float]:
@@ -99,12 +104,18 @@ def main() -> int:
         return overlap_rounds(trainer, counted, rows, args, setup_s, warmup_s)
     times, tokens = [], 0
     rows.clear()
+    sampler = GpuSampler() if cuda and shutil.which("nvidia-smi") else None
+    time.sleep(0.3 if sampler else 0)  # its first sample lands before the timed window
+    wall0 = time.time()
     for _ in range(args.steps):
         t0 = time.perf_counter()
         _, res = trainer.train_step()
         sync()
         times.append(time.perf_counter() - t0)
         tokens += res.tokens
+    gpu = sampler.window(wall0, time.time()) if sampler else {}
+    if sampler:
+        sampler.stop()
     step_s = sum(times) / len(times)
     sequences = sum(rows)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -125,8 +136,24 @@ def main() -> int:
            "gpu_idle_ms_per_step": round((prof_wall_ms - union) / 2, 1),
            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
            "loss": float(res.loss)}
+    if sampler:
+        row.update(gpu=gpu, gpu_limits=sampler.limits, **energy(gpu, sampler.limits, tokens / sum(times) / 3072))
     emit(row, args.out)
     return 0
+
+
+def energy(gpu: dict, limits: dict, sequences_per_s: float) -> dict:
+    """Joules per sequence of 3072 at the median power drawn over the timed steps, and the sequences per second
+    the card's power limit allows at that energy: when the step already draws the limit, only fewer joules per
+    sequence make it faster."""
+    watts = gpu.get("power.draw")
+    if not isinstance(watts, float) or sequences_per_s <= 0:
+        return {}
+    joules = watts / sequences_per_s
+    out = {"joules_per_sequence_of_3072": round(joules, 1)}
+    if limits.get("power_limit_w"):
+        out["sequences_per_s_at_power_limit"] = round(limits["power_limit_w"] / joules, 3)
+    return out
 
 
 def emit(row: dict, out: str) -> None:

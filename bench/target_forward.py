@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flex_tiles import median_ms  # noqa: E402
+from gpu_power import GpuSampler  # noqa: E402
 
 QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -214,57 +215,6 @@ def _lm_head(data: dict) -> None:
         data["fp8_error"] = " ".join(str(exc).split())[:300]
 
 
-class GpuSampler:
-    """nvidia-smi's SM clock, power and active clock-event reasons, sampled in a thread; `window(t0, t1)` gives
-    the medians (and the reasons seen) of the samples between two `time.time()` stamps."""
-
-    FIELDS = ["clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active"]
-
-    def __init__(self) -> None:
-        import subprocess
-        import threading
-        import time
-
-        self.samples: list[tuple[float, list[str]]] = []
-        self.fields = list(self.FIELDS)
-        probe = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True)
-        if probe.returncode != 0:
-            self.fields = self.fields[:3]
-        self.limit = subprocess.run(["nvidia-smi", "--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader"],
-                                    capture_output=True, text=True).stdout.strip()
-        self._stop = threading.Event()
-
-        def run() -> None:
-            while not self._stop.is_set():
-                got = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(self.fields)}",
-                                      "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
-                self.samples.append((time.time(), [x.strip() for x in got.strip().split(",")]))
-                time.sleep(0.05)
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def window(self, t0: float, t1: float) -> dict:
-        import statistics
-
-        rows = [v for t, v in self.samples if t0 <= t <= t1 and len(v) == len(self.fields)]
-        if not rows:
-            return {"samples": 0}
-        out: dict = {"samples": len(rows)}
-        for i, name in enumerate(self.fields[:3]):
-            try:
-                out[name] = round(statistics.median(float(r[i]) for r in rows), 1)
-            except ValueError:
-                out[name] = rows[-1][i]
-        if len(self.fields) > 3:
-            out["reasons"] = sorted({r[3] for r in rows})
-        return out
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 def _sustained(fn, seconds: float = 3.0) -> tuple[float, float, float]:
     """`fn` back to back for about `seconds` (one sync at the end): (ms per call, start, end stamps)."""
     import time
@@ -298,7 +248,7 @@ def sec_gemm_sites(args, out: Path) -> None:
     compile_target_layers(target, "default")
     ids = torch.randint(0, 151936, (args.batch, args.length), device="cuda")
     feats = lambda: target.features(ids)  # noqa: E731
-    data: dict = {"gpu_limits": sampler.limit}
+    data: dict = {"gpu_limits": sampler.limits}
     for blas in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(blas)
         res: dict = {}
