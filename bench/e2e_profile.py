@@ -82,11 +82,13 @@ def main() -> int:
     setup_s = time.perf_counter() - t0
     trainer.drafter.train()
     rows: list[int] = []  # sequences of each micro-batch, counted as the trainer fetches them
+    shapes: list[tuple[int, int]] = []  # (sequences, positions) of each micro-batch the target ran on
     fetch = trainer.source.next
 
     def counted():
         epoch, batch, features = fetch()
         rows.append(int(batch.input_ids.shape[0]))
+        shapes.append(tuple(batch.input_ids.shape))
         return epoch, batch, features
 
     trainer.source.next = counted
@@ -102,8 +104,9 @@ def main() -> int:
     warmup_s = time.perf_counter() - t0
     if args.overlap:
         return overlap_rounds(trainer, counted, rows, args, setup_s, warmup_s)
-    times, tokens = [], 0
+    times, tokens, drafter_flops = [], 0, 0.0
     rows.clear()
+    shapes.clear()
     sampler = GpuSampler() if cuda and shutil.which("nvidia-smi") else None
     time.sleep(0.3 if sampler else 0)  # its first sample lands before the timed window
     wall0 = time.time()
@@ -113,6 +116,7 @@ def main() -> int:
         sync()
         times.append(time.perf_counter() - t0)
         tokens += res.tokens
+        drafter_flops += trainer.step_flops
     gpu = sampler.window(wall0, time.time()) if sampler else {}
     if sampler:
         sampler.stop()
@@ -136,10 +140,34 @@ def main() -> int:
            "gpu_idle_ms_per_step": round((prof_wall_ms - union) / 2, 1),
            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
            "loss": float(res.loss)}
+    target_flops = counted_target_flops(getattr(trainer.source, "target", None), shapes)
+    if target_flops is not None:
+        total = (drafter_flops + target_flops) / args.steps
+        row.update(drafter_tflop_per_step=round(drafter_flops / args.steps / 1e12, 2),
+                   target_tflop_per_step=round(target_flops / args.steps / 1e12, 2),
+                   counted_tflops=round(total / step_s / 1e12, 1))
     if sampler:
         row.update(gpu=gpu, gpu_limits=sampler.limits, **energy(gpu, sampler.limits, tokens / sum(times) / 3072))
     emit(row, args.out)
     return 0
+
+
+def counted_target_flops(target, shapes: list[tuple[int, int]]) -> float | None:
+    """The target's feature forwards over `shapes` (micro-batches of (sequences, positions)): 2 x the parameters
+    of the layers up to the deepest tap x tokens, plus causal attention in each of those layers (dflash.flops). A
+    target with layers other than full attention (a hybrid) is not counted: None."""
+    from dflash.flops import target_forward_flops
+    from dflash.models.families import text_config_of
+
+    if target is None or not hasattr(target, "layers"):
+        return None
+    tc = text_config_of(target.model.config)
+    used = list(target.layers)[: max(target.layer_ids) + 1]
+    if any(t != "full_attention" for t in (getattr(tc, "layer_types", None) or [])[: len(used)]):
+        return None
+    params = sum(p.numel() for layer in used for p in layer.parameters())
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    return sum(target_forward_flops(params, b * n, n, len(used), tc.num_attention_heads, head_dim) for b, n in shapes)
 
 
 def energy(gpu: dict, limits: dict, sequences_per_s: float) -> dict:
