@@ -81,13 +81,11 @@ def main() -> int:
     trainer = Trainer(config).setup()
     setup_s = time.perf_counter() - t0
     trainer.drafter.train()
-    rows: list[int] = []  # sequences of each micro-batch, counted as the trainer fetches them
-    shapes: list[tuple[int, int]] = []  # (sequences, positions) of each micro-batch the target ran on
+    shapes: list[tuple[int, int]] = []  # (sequences, positions) of each micro-batch, as the trainer fetches them
     fetch = trainer.source.next
 
     def counted():
         epoch, batch, features = fetch()
-        rows.append(int(batch.input_ids.shape[0]))
         shapes.append(tuple(batch.input_ids.shape))
         return epoch, batch, features
 
@@ -103,9 +101,8 @@ def main() -> int:
     sync()
     warmup_s = time.perf_counter() - t0
     if args.overlap:
-        return overlap_rounds(trainer, counted, rows, args, setup_s, warmup_s)
+        return overlap_rounds(trainer, counted, args, setup_s, warmup_s)
     times, tokens, drafter_flops = [], 0, 0.0
-    rows.clear()
     shapes.clear()
     sampler = GpuSampler() if cuda and shutil.which("nvidia-smi") else None
     time.sleep(0.3 if sampler else 0)  # its first sample lands before the timed window
@@ -121,8 +118,9 @@ def main() -> int:
     if sampler:
         sampler.stop()
     step_s = sum(times) / len(times)
-    sequences = sum(rows)
     timed_shapes = list(shapes)  # the profiled steps below fetch more
+    sequences = sum(b for b, _ in timed_shapes)
+    of_3072 = tokens / sum(times) / 3072  # sequences of 3072 positions per second
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sync()
         t0 = time.perf_counter()
@@ -135,7 +133,7 @@ def main() -> int:
            "warmup_s": round(warmup_s, 1), "steps": args.steps, "step_ms": round(step_s * 1e3, 1),
            "step_ms_min": round(min(times) * 1e3, 1), "tokens_per_step": tokens / args.steps,
            "tokens_per_s": round(tokens / sum(times), 1), "sequences_per_s": round(sequences / sum(times), 3),
-           "sequences_per_s_of_3072": round(tokens / sum(times) / 3072, 3),
+           "sequences_per_s_of_3072": round(of_3072, 3),
            "profiled_wall_ms_per_step": round(prof_wall_ms / 2, 1), "gpu_busy_ms_per_step": round(union / 2, 1),
            "gpu_kernel_ms_per_step": round(total / 2, 1),
            "gpu_idle_ms_per_step": round((prof_wall_ms - union) / 2, 1),
@@ -148,7 +146,7 @@ def main() -> int:
                    target_tflop_per_step=round(target_flops / args.steps / 1e12, 2),
                    counted_tflops=round(total / step_s / 1e12, 1))
     if sampler:
-        row.update(gpu=gpu, gpu_limits=sampler.limits, **energy(gpu, sampler.limits, tokens / sum(times) / 3072))
+        row.update(gpu=gpu, gpu_limits=sampler.limits, **energy(gpu, sampler.limits, of_3072))
     emit(row, args.out)
     return 0
 
@@ -223,11 +221,10 @@ def prefetching(fetch):
     return next_
 
 
-def overlap_rounds(trainer, counted, rows, args, setup_s, warmup_s) -> int:
+def overlap_rounds(trainer, counted, args, setup_s, warmup_s) -> int:
     for r in range(args.overlap):
         for mode in ("sequential", "overlapped"):
             trainer.source.next = counted if mode == "sequential" else prefetching(counted)
-            rows.clear()
             torch.cuda.synchronize()
             t0, tokens = time.perf_counter(), 0
             for _ in range(args.steps):

@@ -32,13 +32,12 @@ def fake_smi(tmp_path, monkeypatch):
     return monkeypatch
 
 
-def sampled(seconds: float = 0.4) -> tuple[GpuSampler, dict]:
+def sampled() -> tuple[GpuSampler, dict]:
     sampler = GpuSampler()
     t0 = time.time()
     deadline = t0 + 30
-    while len(sampler.samples) < 2 and time.time() < deadline:
+    while len(sampler.samples) < 2 and time.time() < deadline:  # polls with a deadline: no fixed wait
         time.sleep(0.05)
-    time.sleep(seconds)
     window = sampler.window(t0 - 1, time.time())
     sampler.stop()
     return sampler, window
