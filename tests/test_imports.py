@@ -27,7 +27,7 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 # top-level module must be added here (the test says so).
 LAYERS: dict[str, list[str]] = {
     # errors, files, the logger, the config schema, devices: what everything uses
-    "base": ["dflash", "dflash.errors", "dflash.fileio", "dflash.logs", "dflash.config", "dflash.driver",
+    "base": ["dflash", "dflash.errors", "dflash.fileio", "dflash.logs", "dflash.config", "dflash.driver", "dflash.packaged",
              "dflash.devices"],
     # data (chat JSONL, tokenizer, buckets, prompts), the models (target, drafter, the target family table) and
     # how they are compiled (per family), the loss and metrics, checkpoints and export, the speculative
