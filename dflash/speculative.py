@@ -22,6 +22,11 @@ The drafter's cache holds only context K/V: in DFlash every layer's context K/V 
 context feature alone (not of the block), so committed positions are appended once and never cropped; the
 block's own K/V are recomputed each round (B tokens).
 
+Acceptance is counted in output tokens: a round that crosses EOS or `max_new_tokens` counts only the tokens kept,
+so the rounds' acceptances sum to the output's length minus the prefill's token, and the mean acceptance length
+is (new tokens - 1) / (target forwards - 1), the definition `prompt_lookup_generate` (transformers' prompt-lookup
+decoding, the baseline of `dflash eval --suite`) is measured with.
+
 Greedy speculative decoding is lossless: its output equals `greedy_generate` token for token (tested in
 float32). In bfloat16 the verify forward over B tokens and the one-token forward of plain decoding round
 differently, so where the target's top two logits are within rounding of each other (a numerical tie) the two
@@ -244,12 +249,16 @@ class DrafterSession:
 class Generation:
     tokens: list[int]  # generated tokens (the prompt excluded), ending at EOS or max_new_tokens
     seconds: float
-    acceptance: list[int] = field(default_factory=list)  # speculative: tokens committed per round (1..B)
+    acceptance: list[int] = field(default_factory=list)  # speculative: output tokens committed per round (1..B)
     margins: list[float] = field(default_factory=list)  # greedy: relative top-1/top-2 logit gap of each token
+    forwards: int = 0  # prompt lookup: the target's forward calls (the prefill included)
 
     @property
     def mean_acceptance(self) -> float:
-        return sum(self.acceptance) / len(self.acceptance) if self.acceptance else 0.0
+        """Output tokens per target forward after the prefill's first token: (new tokens - 1) / rounds."""
+        if self.acceptance:
+            return sum(self.acceptance) / len(self.acceptance)
+        return (len(self.tokens) - 1) / (self.forwards - 1) if self.forwards > 1 else 0.0
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -305,7 +314,50 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: torch.Tensor,
         dsess.append(bfeats[: accepted + 1])
         token = tokens[-1]
     _sync(tsess.device)
-    return Generation(_until_eos(tokens, eos)[:max_new_tokens], time.perf_counter() - t0, acceptance)
+    kept = _until_eos(tokens, eos)[:max_new_tokens]
+    if acceptance:  # the last round counts the tokens kept (>= 1: the round before it ended short of the cut)
+        acceptance[-1] -= len(tokens) - len(kept)
+    return Generation(kept, time.perf_counter() - t0, acceptance)
+
+
+PROMPT_LOOKUP_NGRAM = 2  # transformers' default max_matching_ngram_size (PromptLookupCandidateGenerator)
+
+
+@torch.no_grad()
+def prompt_lookup_generate(target: Target, prompt: torch.Tensor, max_new_tokens: int, eos_ids: Sequence[int],
+                           vocab_limit: int | None = None, num_tokens: int = 15,
+                           max_ngram: int = PROMPT_LOOKUP_NGRAM) -> Generation:
+    """Greedy prompt-lookup decoding of one prompt by transformers (`generate(do_sample=False,
+    prompt_lookup_num_tokens=num_tokens, max_matching_ngram_size=max_ngram)`): candidates are copied from the
+    sequence where its last n-gram occurred before, and the target verifies them in one forward. A forward hook
+    counts the target's calls (`forwards`, the prefill included). Ids >= `vocab_limit` are suppressed, as the
+    argmax of `greedy_generate` ignores them."""
+    model = target.model
+    device = target.embed_tokens.weight.device
+    vocab = int(target.lm_head.weight.shape[0])
+    calls = [0]
+
+    def count(_module, _args):
+        calls[0] += 1
+
+    handle = model.register_forward_pre_hook(count)
+    ids = prompt[None].to(device)
+    eos = list(eos_ids)
+    try:
+        t0 = time.perf_counter()
+        with target.capture_all():  # the whole forward runs (Target stops at its deepest tapped layer otherwise)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 prompt_lookup_num_tokens=num_tokens, max_matching_ngram_size=max_ngram,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                                 pad_token_id=eos[0] if eos else 0,
+                                 suppress_tokens=list(range(vocab_limit, vocab))
+                                 if vocab_limit is not None and vocab_limit < vocab else None)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    finally:
+        handle.remove()
+    tokens = out[0, ids.shape[1]:].tolist()
+    return Generation(_until_eos(tokens, set(eos))[:max_new_tokens], seconds, forwards=calls[0])
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

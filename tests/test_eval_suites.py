@@ -11,7 +11,14 @@ import yaml
 
 from dflash.cli import main
 from dflash.errors import BadInput
-from dflash.suites import MATH_INSTRUCTION, SUITES, parse_suites, per_position_acceptance, read_suite
+from dflash.suites import (
+    HUMANEVAL_INSTRUCTION,
+    MATH_INSTRUCTION,
+    SUITES,
+    parse_suites,
+    per_position_acceptance,
+    read_suite,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
@@ -66,9 +73,11 @@ def test_two_local_suites_print_the_table_and_write_the_json(run, tmp_path, caps
     assert "does not read enable_thinking" in printed  # the synthetic tokenizer's template has no such switch
     header = next(line for line in lines if line.startswith("suite"))
     assert header.split() == ["suite", "prompts", "accept", "p1", "p2", "p3", "p4", "lossless", "target", "t/s",
-                              "spec", "t/s", "speedup"]
+                              "spec", "t/s", "speedup", "lookup"]
     rows = {line.split()[0]: line.split() for line in lines if line.split()[:1] in (["gsm8k"], ["mtbench"])}
-    assert set(rows) == {"gsm8k", "mtbench"} and all(r[1] == "2" and r[7] == "2/2" for r in rows.values())
+    assert set(rows) == {"gsm8k", "mtbench"}
+    assert rows["gsm8k"][1] == "2" and rows["gsm8k"][7] == "2/2"
+    assert rows["mtbench"][1] == "4" and rows["mtbench"][7] == "4/4"  # two rows, two turns each
 
     report = json.loads(out.read_text())
     assert report["settings"]["thinking"] == "off" and report["settings"]["enable_thinking"] is False
@@ -76,15 +85,18 @@ def test_two_local_suites_print_the_table_and_write_the_json(run, tmp_path, caps
     assert list(report["suites"]) == ["gsm8k", "mtbench"]
     for name, suite in report["suites"].items():
         assert suite["source"] == str(gsm8k if name == "gsm8k" else mtbench)
-        assert suite["num_prompts"] == 2 and suite["lossless_prompts"] == 2 and suite["lossless"]
+        turns = 2 if name == "mtbench" else 1
+        assert suite["rows"] == 2 and suite["num_prompts"] == suite["lossless_prompts"] == 2 * turns
+        assert suite["lossless"]
         assert 1.0 <= suite["acceptance_length"] <= 8
         assert len(suite["per_position_acceptance"]) == 7
         assert all(0.0 <= a <= 1.0 for a in suite["per_position_acceptance"])
         assert f"{suite['acceptance_length']:.3f}" == rows[name][2]
         histogram = [suite["histogram"][str(k)] for k in range(1, 9)]
         assert suite["per_position_acceptance"] == per_position_acceptance(histogram)
-        assert [p["name"] for p in suite["prompts"]] == (["gsm8k:1", "gsm8k:2"] if name == "gsm8k"
-                                                         else ["mtbench:81", "mtbench:82"])
+        assert [p["name"] for p in suite["prompts"]] == (
+            ["gsm8k:1", "gsm8k:2"] if name == "gsm8k"
+            else ["mtbench:81/turn1", "mtbench:81/turn2", "mtbench:82/turn1", "mtbench:82/turn2"])
 
 
 def test_a_malformed_suite_file_exits_2_naming_the_file_and_row_before_any_model_loads(run, tmp_path, capsys,
@@ -127,12 +139,13 @@ def test_each_suite_builds_its_prompt_from_the_published_format(tmp_path):
                    {"instruction": "Say hi.", "input": "", "output": "hi"}],
     }
     expected = {
-        "gsm8k": [("gsm8k:1", f"How many?\n{MATH_INSTRUCTION}")],
-        "math500": [("math500:test/algebra/1.json", f"Solve x+1=2.\n{MATH_INSTRUCTION}")],
-        "humaneval": [("humaneval:HumanEval/0", "def add(a, b):\n    \"\"\"Add.\"\"\"\n")],
-        "mbpp": [("mbpp:2", "Write a function to add."), ("mbpp:3", "Write a function to sub.")],
-        "mtbench": [("mtbench:81", "Write a poem."), ("mtbench:7", "Write code.")],
-        "alpaca": [("alpaca:1", "Translate.\n\nbonjour"), ("alpaca:2", "Say hi.")],
+        "gsm8k": [("gsm8k:1", [f"How many?\n{MATH_INSTRUCTION}"])],
+        "math500": [("math500:test/algebra/1.json", [f"Solve x+1=2.\n{MATH_INSTRUCTION}"])],
+        "humaneval": [("humaneval:HumanEval/0",
+                       [f"{HUMANEVAL_INSTRUCTION}\n```python\ndef add(a, b):\n    \"\"\"Add.\"\"\"\n\n```"])],
+        "mbpp": [("mbpp:2", ["Write a function to add."]), ("mbpp:3", ["Write a function to sub."])],
+        "mtbench": [("mtbench:81", ["Write a poem.", "Shorter."]), ("mtbench:7", ["Write code.", "Faster."])],
+        "alpaca": [("alpaca:1", ["Translate.\n\nInput:\nbonjour"]), ("alpaca:2", ["Say hi."])],
     }
     assert set(rows) == set(SUITES)
     for name, suite_rows in rows.items():
@@ -148,5 +161,5 @@ def test_each_suite_builds_its_prompt_from_the_published_format(tmp_path):
         ("gsm8k", "a.jsonl"), ("mtbench", "hf:HuggingFaceH4/mt_bench_prompts"), ("alpaca", "b.parquet")]
     with pytest.raises(BadInput, match="names 'gsm8k' twice"):
         parse_suites(["gsm8k=a.jsonl", "gsm8k=b.jsonl"])
-    with pytest.raises(BadInput, match="give NAME=PATH"):
-        parse_suites(["gsm8k"])
+    with pytest.raises(BadInput, match="no installed package ships alpaca; give alpaca=PATH"):
+        parse_suites(["alpaca"])
