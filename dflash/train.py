@@ -112,6 +112,22 @@ class LocalTarget(TargetFeatures):
 
     def connect(self, trainer: Trainer) -> None:
         self.inputs, self.sampler, self.device = trainer.inputs, trainer.sampler, trainer.device
+        c = trainer.config
+        self.cache = None
+        if c.data.feature_cache:
+            from dflash.data.feature_cache import FeatureCache
+
+            t = c.target
+            identity = {"target": t.path, "random_init": t.random_init, "seed": c.seed, "dtype": t.dtype,
+                        "float8": t.float8, "layer_ids": self.inputs.layer_ids}
+            self.cache = FeatureCache(Path(c.output_dir) / "feature-cache", identity, c.data.feature_cache_dtype,
+                                      next(self.target.model.parameters()).dtype)
+
+    def features(self, batch: Batch) -> torch.Tensor:
+        cache = getattr(self, "cache", None)
+        if cache is None:
+            return super().features(batch)
+        return cache.features(batch, super().features)
 
     def next(self) -> tuple[int, Batch, torch.Tensor]:
         epoch, blen, idx = self.sampler.next()
@@ -119,7 +135,8 @@ class LocalTarget(TargetFeatures):
         return epoch, batch, self.features(batch)
 
     def finish(self) -> None:
-        pass
+        if getattr(self, "cache", None) is not None:
+            log.info(self.cache.describe())
 
 
 # ----------------------------------------------------------------------------------------- step reducers
