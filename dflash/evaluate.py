@@ -51,6 +51,13 @@ class LosslessnessError(DflashError):
     """Speculative decoding produced a token the target's greedy decoding would not have."""
 
 
+class EvalNotLossless(LosslessnessError):
+    """The trainer's own eval found such a token: the run fails, and that step never becomes the best. Its failure
+    class (dflash/failures.py) is `bad_input`: a restart decodes the same way again, so it is never restarted."""
+
+    failure_class = "bad_input"
+
+
 @dataclass
 class Prompt:
     name: str
@@ -495,7 +502,9 @@ class Evaluator:
 
     def record(self, step: int) -> dict[str, Any] | None:
         """Simulated tau, tau along the decoding path and the real acceptance length of `step`: logged, written
-        to metrics.jsonl and kept as `last`."""
+        to metrics.jsonl and kept as `last`. Real decoding that is not lossless (beyond a numerical tie,
+        TIE_TOLERANCE) is logged and written with `"lossless": false` and its first `mismatch`, then raises
+        `EvalNotLossless` (never kept as `last`)."""
         stats = self.block_stats()
         if stats is None:
             return None
@@ -516,9 +525,19 @@ class Evaluator:
         if real is not None:
             text += (f"; real acceptance length {real.acceptance_length:.3f} over {len(real.prompts)} prompts "
                      f"(lossless {sum(p.lossless for p in real.prompts)}/{len(real.prompts)})")
+        bad = [p for p in real.prompts if not p.lossless] if real is not None else []
+        if bad:
+            record["mismatch"] = {"prompt": bad[0].name, "position": bad[0].first_difference}
         self._event(text)
         if self.observer is not None:
             self.observer.log_eval(record)
+        if bad:  # its acceptance length is not the target's: no best, no heartbeat numbers, the run stops
+            raise EvalNotLossless(
+                f"eval step {step}: speculative decoding is not lossless on prompt {bad[0].name}: first difference at "
+                f"generated position {bad[0].first_difference} ({len(bad)} of {len(real.prompts)} prompts differ "
+                f"beyond a numerical tie); step {step} is not made the best and the run stops, its checkpoints "
+                "intact: check target.dtype and target.attn_implementation (the verify forward must decode as "
+                "one-token steps do)")
         self.last = record
         return record
 

@@ -682,9 +682,10 @@ class Trainer:
 
     def _keep_if_best(self, record: dict[str, Any] | None) -> None:
         """The checkpoint with the best real acceptance length so far becomes `checkpoints/best` (never pruned).
-        An eval at a step without a checkpoint saves one first, only when it is a new best."""
+        An eval at a step without a checkpoint saves one first, only when it is a new best. A record that is not
+        lossless is never the best (the evaluator raises on one: `EvalNotLossless`)."""
         score = (record or {}).get("acceptance_length")
-        if score is None or not self.ckpt.beats_best(score):
+        if score is None or record.get("lossless") is False or not self.ckpt.beats_best(score):
             return
         if not self.ckpt.path_for(self.step).is_dir():
             self.save_checkpoint()

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dflash.checkpoint import BEST, BEST_TMP_PREFIX, CheckpointManager
+from dflash.cli import main
 from dflash.config import RunConfig, _build, validate
 from dflash.train import Trainer
 
@@ -185,3 +186,82 @@ def test_export_takes_a_runs_best_by_default_and_the_newest_when_asked(tmp_path)
         assert resolve_checkpoint(given).name == "step-00000003"  # what `dflash eval` of a run dir reads
     (run / "checkpoints" / BEST).unlink()  # a run without a best: the newest
     assert resolve_checkpoint(run, "best").name == "step-00000003"
+
+
+# ------------------------------------------------------------------------- a lossless mismatch is never the best
+def test_an_eval_that_is_not_lossless_stops_the_run_and_never_becomes_the_best(tmp_path):
+    """Step 4's eval scores highest, but one prompt differed from the target's greedy output: the run raises
+    naming the prompt and the position, the best stays step 2's, and the checkpoints written so far are intact."""
+    from dflash.evaluate import EvalNotLossless
+
+    trainer = Trainer(small_config(tmp_path)).setup()
+
+    def speculative():
+        bad = trainer.step == 4
+        prompts = [SimpleNamespace(name="synthetic-eval#0", lossless=True, first_difference=None),
+                   SimpleNamespace(name="synthetic-eval#1", lossless=not bad, first_difference=5 if bad else None)]
+        return SimpleNamespace(acceptance_length=9.0 if bad else SCORES[trainer.step], lossless=not bad,
+                               prompts=prompts, speedup=None)
+
+    trainer.evaluator.speculative = speculative
+    with pytest.raises(EvalNotLossless, match=r"eval step 4: speculative decoding is not lossless on prompt "
+                                              r"synthetic-eval#1: first difference at generated position 5 \(1 of 2"):
+        trainer.run()
+    assert (trainer.ckpt.best()["step"], trainer.ckpt.best()["score"]) == (2, 2.0)
+    assert names(trainer.ckpt) == ["step-00000002", "step-00000003"]
+    assert all(CheckpointManager.verify(p) is None for p in trainer.ckpt.list())
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [e for e in events if e.get("kind") == "eval"][-1]
+    assert (last["step"], last["lossless"], last["mismatch"]) == (4, False, {"prompt": "synthetic-eval#1",
+                                                                              "position": 5})
+    assert trainer.evaluator.heartbeat_fields()["eval_step"] == 2  # the failed eval's numbers are not reported
+    trainer._keep_if_best({"acceptance_length": 99.0, "lossless": False})  # nor ever made the best
+    assert trainer.ckpt.best()["step"] == 2
+
+
+def test_the_trainer_exits_2_on_a_real_mismatch_and_a_numerical_tie_is_none(tmp_path, write_config, monkeypatch,
+                                                                            capsys):
+    """The real decoding path with a speculative decoder that gets generated position 3 wrong from the second eval
+    on: `dflash train` exits 2 (bad_input: a restart would decode the same way) with one line naming the prompt and
+    the position. The same difference where the target's own top-2 logits tie (TIE_TOLERANCE) is no mismatch."""
+    from dflash import evaluate
+    from dflash.speculative import Generation, greedy_generate
+
+    d = yaml.safe_load(TINY.read_text())
+    d["data"]["regenerate"] = None
+    d["data"]["synthetic"]["num_samples"] = 64
+    d["optim"]["max_steps"] = 4
+    d["checkpoint"].update(interval=3, keep_last=1)
+    d["logging"].update(interval=2, eval_interval=2)
+    d["eval"].update(speculative_prompts=2, max_new_tokens=8)
+    calls = []
+
+    def wrong_later(target, drafter, prompt, max_new_tokens, eos_ids, vocab_limit=None):
+        calls.append(1)
+        ref = greedy_generate(target, prompt, max_new_tokens, eos_ids, vocab_limit)
+        tokens = list(ref.tokens)
+        if len(calls) > 2 and len(tokens) > 3:  # the eval at step 4
+            tokens[3] = (tokens[3] + 1) % 64
+        return Generation(tokens, ref.seconds, acceptance=[1] * len(tokens))
+
+    monkeypatch.setattr(evaluate, "speculative_generate", wrong_later)
+    d["output_dir"] = str(tmp_path / "run")
+    assert main(["train", str(write_config(d))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dflash: error: eval step 4: speculative decoding is not lossless on prompt "
+                              "synthetic-eval#") and "first difference at generated position 3" in err[-1]
+    beat = json.loads((tmp_path / "run" / "heartbeat.json").read_text())
+    assert beat["status"] == "failed" and beat["failure_class"] == "bad_input" and "position 3" in beat["error"]
+    ckpt = CheckpointManager(tmp_path / "run" / "checkpoints")
+    assert ckpt.best()["step"] == 2 and [p.name for p in ckpt.list()] == ["step-00000002", "step-00000003"]
+
+    def tie(target, prompt, max_new_tokens, eos_ids, vocab_limit=None):  # the target's top-2 logits tie everywhere
+        ref = greedy_generate(target, prompt, max_new_tokens, eos_ids, vocab_limit)
+        return Generation(ref.tokens, ref.seconds, margins=[0.0] * len(ref.tokens))
+
+    monkeypatch.setattr(evaluate, "greedy_generate", tie)
+    calls.clear()
+    d["output_dir"] = str(tmp_path / "tied")
+    assert main(["train", str(write_config(d, "tied.yaml"))]) == 0
+    evals = [json.loads(line) for line in (tmp_path / "tied" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["lossless"] for e in evals if e.get("kind") == "eval"] == [True, True, True]  # 2, 4, the end
