@@ -462,13 +462,18 @@ def _contract_refusal(path: Path, refused: dict[str, tuple[Any, Any]], notes: di
 
 
 def check_contract(path: Path, current: dict[str, Any], allowed: list[str] | tuple[str, ...] = (),
-                   notes: dict[str, str] | None = None, fixed: tuple[str, ...] | list[str] = ()) -> dict[str, tuple[Any, Any]]:
+                   notes: dict[str, str] | None = None, fixed: tuple[str, ...] | list[str] = (),
+                   proven: dict[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
     """Compare checkpoint `path`'s contract with the config's; returns the changes the user accepted
     (checkpoint.allow_changed), key -> (the checkpoint's value, the config's). Any other change is a BadInput
     naming the key, both values and the fixes: a resume that silently changed the loss or the layout would mix two
     runs in one drafter. `notes`: a few words per key shown beside the config's value (e.g. how a default was
-    resolved); `fixed`: keys no override can accept (their fix does not offer checkpoint.allow_changed)."""
+    resolved); `fixed`: keys no override can accept (their fix does not offer checkpoint.allow_changed); `proven`:
+    values the checkpoint's own files prove (its drafter config.json), which win over its contract.json."""
     saved = read_contract(path)
+    if saved is not None and proven:
+        saved = {**{k: v for k, v in saved.items() if k not in proven},
+                 **{k: v for k, v in proven.items() if v is not None}}
     if saved is None:
         log.warning("checkpoint %s holds no %s (written by an earlier dflash): resuming without checking that %s "
                     "are unchanged", path, CONTRACT, ", ".join(sorted(current)))

@@ -16,7 +16,7 @@ from pathlib import Path
 from dflash.checkpoint import CheckpointManager
 from dflash.errors import BadInput
 from dflash.fileio import raise_if_full
-from dflash.models.drafter import Drafter
+from dflash.models.drafter import Drafter, DrafterArch
 from dflash.models.target import DTYPES
 
 MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "modeling_dflash.py"
@@ -85,6 +85,59 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
     return out
 
 
+def init_source(path: str | os.PathLike) -> Path:
+    """The directory `drafter.init_from` names: an export or a step directory as it is, a run's newest checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"drafter.init_from '{p}' does not exist; point it at an exported drafter directory "
+                       "(config.json + model.safetensors), a step-NNNNNNNN checkpoint or a run directory")
+    try:
+        return resolve_checkpoint(p)
+    except BadInput as exc:
+        raise BadInput(f"drafter.init_from: {exc}") from None
+
+
+def init_arch(path: str | os.PathLike) -> tuple[Path, DrafterArch]:
+    """`drafter.init_from`'s directory and architecture, from its config.json alone (no weights: read before any
+    model loads, e.g. for the attention layout it trains with)."""
+    src = init_source(path)
+    try:
+        cfg = json.loads((src / "config.json").read_text())
+        return src, DrafterArch.from_hf_config(cfg, f"drafter config {src / 'config.json'}")
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise BadInput(f"drafter.init_from '{src}' could not be loaded as a drafter: {exc}") from None
+
+
+def layout_text(layer_types: list[str] | None, sliding_window: int | None) -> str:
+    """A drafter attention layout in a message: `all full_attention`, or its layer types and window."""
+    sliding = bool(layer_types) and "sliding_attention" in layer_types
+    if not sliding:
+        return "all full_attention"
+    return f"layer_types [{', '.join(layer_types)}] with sliding_window {sliding_window}"
+
+
+def same_layout(a: tuple[list[str] | None, int | None], b: tuple[list[str] | None, int | None]) -> bool:
+    """Two (layer_types, sliding_window) that attend alike: all-full spelt as a list or None is one layout."""
+    def norm(layout):
+        types, window = layout
+        return (list(types), window) if types and "sliding_attention" in types else (None, None)
+
+    return norm(a) == norm(b)
+
+
+def check_init_layout(src: Path, arch: DrafterArch, layer_types: list[str] | None,
+                      sliding_window: int | None) -> None:
+    """drafter.layer_types / sliding_window, where the config sets them, must be the init's layout: the init's
+    weights were trained with it, and it is what trains (one line naming both, else)."""
+    if layer_types is None and sliding_window is None:
+        return
+    if not same_layout((layer_types, sliding_window), (arch.layer_types, arch.sliding_window)):
+        raise BadInput(f"drafter.layer_types/sliding_window ({layout_text(layer_types, sliding_window)}) conflict with "
+                       f"drafter.init_from '{src}' ({layout_text(arch.layer_types, arch.sliding_window)}); remove "
+                       "drafter.layer_types and drafter.sliding_window from the config (the init's layout trains) or "
+                       "set them to the init's")
+
+
 def load_init_drafter(path: str | os.PathLike, expected: dict[str, tuple[str, object]]) -> Drafter:
     """`drafter.init_from`: an exported drafter, a checkpoint, a checkpoints or a run directory, as float32.
 
@@ -92,14 +145,7 @@ def load_init_drafter(path: str | os.PathLike, expected: dict[str, tuple[str, ob
     a difference is a BadInput naming both, e.g. "drafter.init_from 'X' has block_size 8 but
     drafter.block_size is 16".
     """
-    p = Path(path)
-    if not p.exists():
-        raise BadInput(f"drafter.init_from '{p}' does not exist; point it at an exported drafter directory "
-                       "(config.json + model.safetensors), a step-NNNNNNNN checkpoint or a run directory")
-    try:
-        src = resolve_checkpoint(p)
-    except BadInput as exc:
-        raise BadInput(f"drafter.init_from: {exc}") from None
+    src = init_source(path)
     try:
         drafter = Drafter.load(src)
     except (ValueError, KeyError, TypeError, OSError) as exc:

@@ -14,6 +14,7 @@ The evals are `dflash.evaluate.Evaluator`'s: the trainer builds one at setup and
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ from dflash.observability import RunObserver
 from dflash.stacks import previous_end, resume_note
 
 log = get_logger(__name__)
+
+LAYOUT_KEYS = ("drafter.layer_types", "drafter.sliding_window")  # the attention layout in the resume contract
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -268,7 +271,8 @@ class Trainer:
         self.observer.heartbeat(0, 0, "starting")
         self.compile_plan, compile_line = configure_for_run(c.compile, c.output_dir, self.device)
         self.observer.event(compile_line)
-        resume_from = self._resume_candidate()  # before any model loads: damaged ones stop us here
+        self.layout = self._trained_layout()  # before any model loads: an init_from that conflicts stops us here
+        resume_from = self._resume_candidate()  # so do damaged checkpoints
         self.accepted_changes = self._check_resume_contract(resume_from, layer_ids)  # so do changed settings
         if resume_from is None and self.is_reporter:
             self.ckpt.drop_best("a fresh start (checkpoint.resume=false)")
@@ -438,17 +442,37 @@ class Trainer:
                            "a good copy, or set checkpoint.resume=false to start fresh")
         return path
 
+    def _trained_layout(self) -> tuple[list[str] | None, int | None]:
+        """(layer_types, sliding_window) the drafter trains with: the config's; with drafter.init_from, the init's
+        (read from its config.json), which a config that sets them must equal (else exit 2 naming both)."""
+        d = self.config.drafter
+        if not d.init_from:
+            return d.layer_types, d.sliding_window
+        from dflash.export import check_init_layout, init_arch, layout_text
+
+        src, arch = init_arch(d.init_from)
+        check_init_layout(src, arch, d.layer_types, d.sliding_window)
+        if d.layer_types is not None or d.sliding_window is not None:
+            return d.layer_types, d.sliding_window
+        if arch.layer_types:
+            shown = layout_text(arch.layer_types, arch.sliding_window)
+            log.info(f"drafter: the attention layout of drafter.init_from: {shown}")
+        return arch.layer_types, arch.sliding_window
+
     def resume_contract(self, layer_ids: list[int]) -> dict[str, Any]:
         """The settings that change the loss or the drafter's layout, as resolved for this run (config key ->
-        value): recorded in every checkpoint, compared on resume."""
+        value): recorded in every checkpoint, compared on resume. The layout is the one trained (`layout`: the
+        init's where drafter.init_from gives it)."""
         d = self.config.drafter
         contract: dict[str, Any] = {
             "drafter.block_size": d.block_size, "drafter.gamma": d.gamma or default_gamma(d.block_size),
             "drafter.num_anchors": d.num_anchors, "drafter.loss_impl": d.loss_impl,
             "drafter.num_layers": d.num_layers, "target.layer_ids": list(layer_ids)}
-        for key in RESUME_CONTRACT_KEYS:  # the optional layout settings (sliding window, RoPE), where set
+        layout = dict(zip(LAYOUT_KEYS, getattr(self, "layout", None) or (d.layer_types, d.sliding_window),
+                          strict=True))
+        for key in RESUME_CONTRACT_KEYS:  # the optional layout settings (sliding window), where set
             section, name = key.split(".", 1)
-            value = getattr(getattr(self.config, section), name, None)
+            value = layout[key] if key in layout else getattr(getattr(self.config, section), name, None)
             if key not in contract and value is not None:
                 contract[key] = value
         return contract
@@ -462,7 +486,7 @@ class Trainer:
         notes = {} if c.drafter.gamma else {
             "drafter.gamma": f" (unset: the default for drafter.block_size {c.drafter.block_size})"}
         accepted = check_contract(path, self.resume_contract(layer_ids), c.checkpoint.allow_changed, notes,
-                                  fixed=list(RESUME_SHAPE_KEYS))
+                                  fixed=list(RESUME_SHAPE_KEYS), proven=self._trained_layout_of(path))
         if "target.layer_ids" in accepted:
             old, new = accepted["target.layer_ids"]
             if len(old or []) != len(new):  # the fc layer takes one hidden state per tapped layer
@@ -470,6 +494,28 @@ class Trainer:
                                f"on {len(old or [])} ({old}): its weights do not fit, whatever "
                                "checkpoint.allow_changed says; tap as many layers, or start a new output_dir")
         return accepted
+
+    @staticmethod
+    def _trained_layout_of(path: Path) -> dict[str, Any] | None:
+        """The layout checkpoint `path`'s drafter config.json says it trained with, where its contract.json says
+        otherwise (written by an earlier dflash, which recorded the config's layout over drafter.init_from's):
+        the weights' own record wins, with a warning. None where they agree (or either is unreadable)."""
+        from dflash.checkpoint import read_contract
+        from dflash.export import same_layout
+        from dflash.models.drafter import layout_of_hf_config
+
+        saved = read_contract(path)
+        try:
+            trained = layout_of_hf_config(json.loads((path / "config.json").read_text()), str(path))
+        except (OSError, ValueError, BadInput):
+            return None
+        if saved is None or same_layout(tuple(saved.get(k) for k in LAYOUT_KEYS), trained):
+            return None
+        recorded = ", ".join(f"{k} {saved.get(k)}" for k in LAYOUT_KEYS)
+        log.warning(f"checkpoint {path}: its contract.json records {recorded} but its drafter trained with "
+                    f"layer_types {trained[0]}, sliding_window {trained[1]} (an earlier dflash recorded the config's "
+                    "layout over drafter.init_from's); comparing with what it trained")
+        return dict(zip(LAYOUT_KEYS, trained, strict=True))
 
     def _apply_optim_config(self) -> None:
         """The config's lr/betas/eps/weight_decay win over the checkpoint's (one log line when they differ)."""

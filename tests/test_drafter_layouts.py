@@ -432,3 +432,73 @@ def test_run_config_layout_reaches_the_trained_drafter_and_its_export(tmp_path):
     trainer.run()
     cfg = json.loads((export(tmp_path / "run", tmp_path / "out", "float32") / "config.json").read_text())
     assert (cfg["layer_types"], cfg["sliding_window"], cfg["use_sliding_window"]) == (SLIDING, 6, True)
+
+
+# ------------------------------------------------------------------------------ drafter.init_from and the layout
+def test_init_from_gives_the_layout_a_conflicting_config_is_refused_and_the_contract_records_the_trained_one(
+        tmp_path, caplog):
+    """The init's layout is what trains: a config that sets another one exits 2 naming both (before any model
+    loads); unset, the init's layout trains and contract.json records it, so a resume that states it is accepted
+    and one that states another is refused. A checkpoint whose contract.json recorded the config's layout instead
+    (an earlier dflash) is compared with what its drafter config.json says it trained."""
+    import logging
+
+    from dflash.checkpoint import CONTRACT, MANIFEST, CheckpointManager
+    from dflash.errors import BadInput
+    from dflash.fileio import sha256_file
+    from dflash.train import Trainer
+
+    init = tmp_path / "init"
+    arch = DrafterArch(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=96, block_size=8, target_layer_ids=[1, 3, 4],
+                       mask_token_id=95, num_target_layers=6, layer_types=SLIDING, sliding_window=6)
+    Drafter(arch).save(init)
+
+    def config(run="run", init_from=True, **layout):
+        d = tiny_run(tmp_path / run, mask_token_id=95, **layout)
+        d["data"]["synthetic"]["num_samples"] = 64
+        if init_from:
+            d["drafter"]["init_from"] = str(init)
+        return _build(RunConfig, d, "")
+
+    for layout, shown in [(dict(layer_types=["full_attention", "sliding_attention"], sliding_window=6),
+                           "layer_types [full_attention, sliding_attention] with sliding_window 6"),
+                          (dict(layer_types=SLIDING, sliding_window=4),
+                           "layer_types [sliding_attention, full_attention] with sliding_window 4"),
+                          (dict(layer_types=["full_attention"] * 2), "all full_attention")]:
+        with pytest.raises(BadInput) as err:
+            Trainer(config(**layout)).setup()
+        assert str(err.value) == (
+            f"drafter.layer_types/sliding_window ({shown}) conflict with drafter.init_from '{init}' (layer_types "
+            "[sliding_attention, full_attention] with sliding_window 6); remove drafter.layer_types and "
+            "drafter.sliding_window from the config (the init's layout trains) or set them to the init's")
+        assert not (tmp_path / "run" / "checkpoints").exists()
+
+    trainer = Trainer(config()).setup()
+    assert [layer.self_attn.layer_mask for layer in trainer.drafter.layers] == [LayerMask(6, True), FULL]
+    trainer.train_step()
+    saved = trainer.save_checkpoint()
+    contract = json.loads((saved / CONTRACT).read_text())
+    assert (contract["drafter.layer_types"], contract["drafter.sliding_window"]) == (SLIDING, 6)
+
+    assert Trainer(config(layer_types=SLIDING, sliding_window=6)).setup().step == 1  # the true layout, stated
+    assert Trainer(config(init_from=False, layer_types=SLIDING, sliding_window=6)).setup().step == 1
+    with pytest.raises(BadInput, match=r"drafter.layer_types is unset but the checkpoint .* was trained with "
+                                       r"\['sliding_attention', 'full_attention'\]"):
+        Trainer(config(init_from=False)).setup()
+    with pytest.raises(BadInput, match="drafter.sliding_window is 4 but .* trained with 6"):
+        Trainer(config(init_from=False, layer_types=SLIDING, sliding_window=4)).setup()
+
+    # what an earlier dflash wrote with the config's layout unset: no layout in contract.json
+    for key in ("drafter.layer_types", "drafter.sliding_window"):
+        contract.pop(key)
+    (saved / CONTRACT).write_text(json.dumps(contract))
+    manifest = json.loads((saved / MANIFEST).read_text())
+    manifest["files"][CONTRACT] = sha256_file(saved / CONTRACT)
+    (saved / MANIFEST).write_text(json.dumps(manifest))
+    assert CheckpointManager.verify(saved) is None
+    with caplog.at_level(logging.WARNING):
+        assert Trainer(config()).setup().step == 1
+    assert any("comparing with what it trained" in r.getMessage() for r in caplog.records)
+    with pytest.raises(BadInput, match="drafter.layer_types is unset but"):
+        Trainer(config(init_from=False)).setup()
