@@ -40,8 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("eval", help="real speculative decoding with the target and a drafter: acceptance length, "
                        "speedup, losslessness")
     v.add_argument("config", help="the run's YAML config (target, tokenizer, held-out data)")
-    v.add_argument("drafter", help="run dir, checkpoints dir, step-N dir or export dir")
+    v.add_argument("drafter", help="run dir or checkpoints dir (its best checkpoint by real acceptance length "
+                   "where the run kept one, else the newest), a step-N dir or an export dir")
     v.add_argument("overrides", nargs="*", help="key.path=value overrides of the config")
+    v.add_argument("--latest", action="store_true", help="a run's newest checkpoint, not its best")
     v.add_argument("--prompts", help="chat JSONL of prompts (default: the run's held-out split)")
     v.add_argument("--num-prompts", type=int, default=32)
     v.add_argument("--max-new-tokens", type=int, default=256)
@@ -129,11 +131,11 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from dflash.export import export, resolve_checkpoint
+    from dflash.export import choose_checkpoint, export
 
-    src = resolve_checkpoint(args.checkpoint, "latest" if args.latest else "best")
+    src, why = choose_checkpoint(args.checkpoint, "latest" if args.latest else "best")
     out = export(src, args.out, args.dtype)
-    print(f"exported drafter {src} to {out}")
+    print(f"exported drafter {src} ({why}) to {out}")
     return EXIT_OK
 
 
@@ -146,8 +148,12 @@ def _cmd_eval(args) -> int:
     if args.suite:
         from dflash.suites import run_suites
 
+        if args.latest:  # the suites take the drafter directory as given (a run's best, else its newest)
+            from dflash.export import resolve_checkpoint
+
+            args.drafter = str(resolve_checkpoint(args.drafter, "latest"))
         return run_suites(args)
-    return run_eval(args.config, args.drafter, args.overrides, prompts_file=args.prompts,
+    return run_eval(args.config, args.drafter, args.overrides, latest=args.latest, prompts_file=args.prompts,
                     num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, as_json=args.json,
                     out=args.out, thinking=args.thinking)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -585,21 +586,25 @@ class EvalSetup:
     target: Target
     drafter: Drafter
     started: float
+    chosen: str = "as given"  # why `source` (a run's best, its newest, ...)
 
 
-def load_eval_models(config_path: str, drafter_path: str, overrides: list[str], out: str | None = None) -> EvalSetup:
+def load_eval_models(config_path: str, drafter_path: str, overrides: list[str], out: str | None = None,
+                     latest: bool = False) -> EvalSetup:
     """The config, the drafter (checked against the config's target before the target loads), the tokenizer
-    and the target; `out` is checked first."""
+    and the target; `out` is checked first. A run directory gives its best checkpoint where it kept one, else its
+    newest (`latest`: the newest), as `dflash export` does; one line on stderr says which was taken."""
     from dflash.config import load_config, resolved_layer_ids
     from dflash.devices import pick_device
-    from dflash.export import resolve_checkpoint
+    from dflash.export import choose_checkpoint
     from dflash.inputs import load_tokenizer
     from dflash.models.target import build_hf_model, num_layers_of, target_config, text_config_of
 
     config = load_config(config_path, overrides)
     if out:
         check_out_path(out)
-    source = resolve_checkpoint(drafter_path)
+    source, why = choose_checkpoint(drafter_path, "latest" if latest else "best")
+    print(f"dflash eval: drafter {source} ({why})", file=sys.stderr)
     try:
         drafter = Drafter.load(source)
     except (ValueError, KeyError, OSError) as exc:
@@ -618,15 +623,15 @@ def load_eval_models(config_path: str, drafter_path: str, overrides: list[str], 
                            config.target.attn_implementation, seed=config.seed, device=device)
     target = Target(model.to(device), layer_ids)
     drafter.to(device, next(target.model.parameters()).dtype if device.type == "cuda" else torch.float32)
-    return EvalSetup(config, source, device, tokenizer, target, drafter, t0)
+    return EvalSetup(config, source, device, tokenizer, target, drafter, t0, why)
 
 
 def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, prompts_file: str | None,
              num_prompts: int, max_new_tokens: int, as_json: bool, out: str | None = None,
-             thinking: str = "keep") -> int:
+             thinking: str = "keep", latest: bool = False) -> int:
     from dflash.inputs import load_datasets
 
-    setup = load_eval_models(config_path, drafter_path, overrides, out)
+    setup = load_eval_models(config_path, drafter_path, overrides, out, latest=latest)
     config, source, device, tokenizer, target, drafter = (setup.config, setup.source, setup.device, setup.tokenizer,
                                                           setup.target, setup.drafter)
     if prompts_file:
@@ -642,7 +647,7 @@ def run_eval(config_path: str, drafter_path: str, overrides: list[str], *, promp
     evaluator = Evaluator(drafter, TargetFeatures(target), prompts=prompts, max_new_tokens=max_new_tokens,
                           eos_ids=eos_ids_of(tokenizer), vocab_limit=len(tokenizer))
     report = evaluator.speculative()
-    result = {**report.to_dict(), "drafter": str(source), "config": str(config_path),
+    result = {**report.to_dict(), "drafter": str(source), "drafter_chosen": setup.chosen, "config": str(config_path),
               "max_new_tokens": max_new_tokens, "device": str(device), "seconds": time.time() - setup.started}
     if out:
         Path(out).write_text(json.dumps(result, indent=2) + "\n")

@@ -23,24 +23,43 @@ MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "mode
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
-def resolve_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
-    """A step directory as it is; a checkpoints directory or a run directory: its newest intact checkpoint, or
-    with `which="best"` the one with the best real acceptance length (`checkpoints/best`) where the run kept
-    one, else the newest."""
+def choose_checkpoint(path: str | os.PathLike, which: str = "best") -> tuple[Path, str]:
+    """The checkpoint `path` names and why, in a few words for the line that says which one was taken.
+
+    A step or export directory is taken as it is. A run directory or its checkpoints directory: with
+    `which="best"` (what `dflash eval` and `dflash export` take) the checkpoint with the best real acceptance
+    length (`checkpoints/best`) where the run kept an intact one, else the newest intact checkpoint; with
+    `which="latest"` (their `--latest`) the newest."""
     p = Path(path)
     if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
         problem = CheckpointManager.verify(p) if (p / "manifest.json").exists() else None
         if problem:
-            raise BadInput(f"checkpoint '{p}' is damaged ({problem}); export an older one")
-        return p
+            raise BadInput(f"checkpoint '{p}' is damaged ({problem}); name an older one")
+        return p, "as given"
     for candidate in (p, p / "checkpoints"):
-        if candidate.is_dir():
-            manager = CheckpointManager(candidate)
-            found = (manager.best_valid() if which == "best" else None) or manager.latest_valid()
-            if found is not None:
-                return found
+        if not candidate.is_dir():
+            continue
+        manager = CheckpointManager(candidate)
+        newest = manager.latest_valid()
+        if newest is None:
+            continue
+        if which == "latest":
+            return newest, "the run's newest (--latest)"
+        best, record = manager.best_valid(), manager.best()
+        if best is not None:
+            return best, (f"the run's best by real acceptance length: {record['score']:.3f} at step {record['step']}; "
+                          "--latest for the newest")
+        return newest, ("the run's newest: it kept no best" if record is None else
+                        f"the run's newest: its best {record['checkpoint']} is unusable")
     raise BadInput(f"'{p}' holds no intact checkpoint; pass a run directory, its checkpoints/ directory or a "
                    "step-NNNNNNNN directory")
+
+
+def resolve_checkpoint(path: str | os.PathLike, which: str = "latest") -> Path:
+    """A step directory as it is; a checkpoints directory or a run directory: its newest intact checkpoint, or
+    with `which="best"` the one with the best real acceptance length (`checkpoints/best`) where the run kept
+    one, else the newest (`choose_checkpoint`)."""
+    return choose_checkpoint(path, which)[0]
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16",

@@ -119,7 +119,7 @@ def test_a_best_pointer_to_a_lost_checkpoint_is_dropped_and_replaced(tmp_path, d
 SCORES = {2: 2.0, 4: 4.0, 6: 3.0, 8: 1.0}  # real acceptance length per eval step
 
 
-def small_config(tmp_path) -> RunConfig:
+def small_dict(tmp_path) -> dict:
     d = yaml.safe_load(TINY.read_text())
     d = copy.deepcopy(d)
     d["output_dir"] = str(tmp_path / "run")
@@ -128,7 +128,11 @@ def small_config(tmp_path) -> RunConfig:
     d["optim"]["max_steps"] = 8
     d["checkpoint"].update(interval=3, keep_last=1)  # eval steps 2 and 4 have no interval checkpoint
     d["logging"].update(interval=2, eval_interval=2)
-    cfg = _build(RunConfig, d, "")
+    return d
+
+
+def small_config(tmp_path) -> RunConfig:
+    cfg = _build(RunConfig, small_dict(tmp_path), "")
     validate(cfg)
     return cfg
 
@@ -141,7 +145,7 @@ def scripted_real_eval(trainer):
     return speculative
 
 
-def test_the_run_keeps_the_best_eval_while_later_worse_ones_are_pruned(tmp_path):
+def test_the_run_keeps_the_best_eval_while_later_worse_ones_are_pruned(tmp_path, write_config, capsys):
     trainer = Trainer(small_config(tmp_path)).setup()
     trainer.evaluator.speculative = scripted_real_eval(trainer)
     result = trainer.run()
@@ -154,6 +158,18 @@ def test_the_run_keeps_the_best_eval_while_later_worse_ones_are_pruned(tmp_path)
     assert ckpt.latest_valid().name == "step-00000008"
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["acceptance_length"] for e in events if e.get("kind") == "eval"] == [2.0, 4.0, 3.0, 1.0, 1.0]
+    # `dflash eval RUN` and `dflash export RUN` take the same checkpoint, the best (--latest: the newest), and say so
+    config, run = write_config(small_dict(tmp_path)), str(tmp_path / "run")
+    for flags, step, why in [([], 4, "the run's best by real acceptance length: 4.000 at step 4; --latest for the "
+                                     "newest"), (["--latest"], 8, "the run's newest (--latest)")]:
+        capsys.readouterr()
+        assert main(["export", run, str(tmp_path / f"out{step}"), *flags]) == 0
+        assert capsys.readouterr().out.startswith(f"exported drafter {run}/checkpoints/step-{step:08d} ({why}) to ")
+        assert main(["eval", str(config), run, "--num-prompts", "1", "--max-new-tokens", "4", "--json", *flags]) == 0
+        captured = capsys.readouterr()
+        assert f"dflash eval: drafter {run}/checkpoints/step-{step:08d} ({why})" in captured.err
+        report = json.loads(captured.out)
+        assert (report["drafter"], report["drafter_chosen"]) == (f"{run}/checkpoints/step-{step:08d}", why)
     # a fresh start over this run (checkpoint.resume=false) restarts the step numbers: the old score is forgotten
     fresh = small_config(tmp_path)
     fresh.checkpoint.resume = False
@@ -173,7 +189,7 @@ def test_drop_best_keeps_the_directory_as_an_ordinary_checkpoint(tmp_path):
 
 
 def test_export_takes_a_runs_best_by_default_and_the_newest_when_asked(tmp_path):
-    from dflash.export import resolve_checkpoint
+    from dflash.export import choose_checkpoint, resolve_checkpoint
 
     run = tmp_path / "run"
     m = CheckpointManager(run / "checkpoints", keep_last=2)
@@ -183,9 +199,15 @@ def test_export_takes_a_runs_best_by_default_and_the_newest_when_asked(tmp_path)
     for given in (run, run / "checkpoints"):
         assert resolve_checkpoint(given, "best").name == "step-00000001"
         assert resolve_checkpoint(given, "latest").name == "step-00000003"
-        assert resolve_checkpoint(given).name == "step-00000003"  # what `dflash eval` of a run dir reads
+        assert resolve_checkpoint(given).name == "step-00000003"  # what drafter.init_from of a run dir reads
+        assert choose_checkpoint(given) == (run / "checkpoints" / "step-00000001", "the run's best by real "
+                                            "acceptance length: 6.000 at step 1; --latest for the newest")
+    (run / "checkpoints" / "step-00000001" / "manifest.json").write_text("{}")  # a damaged best: the newest
+    assert choose_checkpoint(run) == (run / "checkpoints" / "step-00000003",
+                                      "the run's newest: its best step-00000001 is unusable")
     (run / "checkpoints" / BEST).unlink()  # a run without a best: the newest
     assert resolve_checkpoint(run, "best").name == "step-00000003"
+    assert choose_checkpoint(run)[1] == "the run's newest: it kept no best"
 
 
 # ------------------------------------------------------------------------- a lossless mismatch is never the best
