@@ -287,6 +287,39 @@ def test_both_rope_spellings_are_read_and_must_agree():
         DrafterArch.from_hf_config(cfg)
 
 
+def test_rope_parameters_beside_a_yarn_rope_scaling_rotates_as_transformers_reads_the_file(tmp_path, caplog):
+    """transformers 5 reads `rope_scaling` in place of `rope_parameters` (its rope_theta then comes from the
+    scaling or the top level, else 10000): the drafter's cos/sin equal those of transformers' own rotary embedding
+    for that config.json, not a yarn with the other spelling's theta; a warning names the theta not used."""
+    import logging
+
+    from transformers import AutoConfig
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    cfg = tiny_arch().to_hf_config()
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"], cfg["rope_scaling"] = {"rope_type": "default", "rope_theta": 1e7}, dict(YARN)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING):
+        arch = DrafterArch.from_hf_config(cfg)
+    assert any("rope_parameters.rope_theta 10000000.0 is not used" in r.getMessage() for r in caplog.records)
+    assert (arch.rope_theta, arch.rope_scaling) == (10000.0, YARN)
+    theirs = AutoConfig.from_pretrained(str(tmp_path))
+    positions = torch.arange(100)[None]
+    cos_ref, sin_ref = Qwen3RotaryEmbedding(theirs)(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = arch_rope_cos_sin(arch, positions, torch.float32)
+    torch.testing.assert_close((cos[:, 0], sin[:, 0]), (cos_ref, sin_ref), rtol=0, atol=1e-6)
+    other = dataclasses.replace(arch, rope_theta=1e7)  # the reading this replaced: yarn with the dropped theta
+    assert (arch_rope_cos_sin(other, positions, torch.float32)[0][:, 0] - cos_ref).abs().max() > 0.5
+    again = DrafterArch.from_hf_config(arch.to_hf_config())  # the export writes it one way
+    assert (again.rope_theta, again.rope_scaling) == (arch.rope_theta, arch.rope_scaling)
+    cfg["rope_theta"] = 5e5  # beside a rope_theta in the scaling read: transformers 5 and 4.x would differ
+    cfg["rope_scaling"] = {**YARN, "rope_theta": 1e6}
+    with pytest.raises(ConfigError, match=r"rope_theta 500000.0 and rope_scaling.rope_theta 1000000.0 disagree "
+                                          r"\(transformers 5 reads 1000000.0, transformers 4.x and SGLang 500000.0\)"):
+        DrafterArch.from_hf_config(cfg)
+
+
 # ------------------------------------------------------------------------------------------------ foreign keys
 @pytest.mark.parametrize("change, message", [
     ({"attention_sink_bias": True}, "keys it does not implement: attention_sink_bias"),

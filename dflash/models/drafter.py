@@ -353,29 +353,57 @@ def check_rope_scaling(rope_scaling: dict[str, Any] | None, key: str) -> None:
                           "use a drafter config with one of those, or none")
 
 
+# transformers' rope_theta where a config.json gives none (RotaryEmbeddingConfigMixin.default_theta; 4.x's Qwen3Config
+# default too): the theta a serving engine then rotates with
+TRANSFORMERS_DEFAULT_THETA = 10_000.0
+
+
 def rope_of_hf_config(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """rope_theta and the scaling (transformers' rope_parameters minus rope_theta; None = plain RoPE) of a
-    config.json that writes `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x), or both:
-    two spellings that disagree are refused rather than one of them dropped."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    theta = cfg.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 1_000_000.0
-    for spelling in (params, scaling):
-        spelling.pop("rope_theta", None)
+    config.json, read as transformers reads it (5.x; 4.x and SGLang read the same where this accepts the file):
+
+    * `rope_scaling`, where set, replaces `rope_parameters` whole (transformers 5's `convert_rope_params_to_dict`):
+      a `rope_parameters: {rope_type: default, rope_theta: X}` beside a yarn `rope_scaling` is yarn with the
+      scaling's own rope_theta, else the top-level `rope_theta`, else transformers' default 10000, never X (a
+      warning names the value not used);
+    * else `rope_parameters` with its rope_theta, else the top-level one, else 10000.
+
+    Refused as ambiguous: two scaled spellings that disagree (the file means one of them), and a top-level
+    `rope_theta` beside another one in the dictionary read (transformers 5 takes the dictionary's, 4.x and SGLang
+    the top-level one)."""
+    def plain(spelling: dict[str, Any]) -> dict[str, Any]:
+        spelling = {k: v for k, v in spelling.items() if k != "rope_theta"}
         if "type" in spelling and "rope_type" not in spelling:  # the oldest spelling
             spelling["rope_type"] = spelling.pop("type")
-    if params.get("rope_type", "default") == "default" and len(params) <= 1:
-        params = {}
-    if params and scaling and params != scaling:
-        raise ConfigError(f"{source}: rope_parameters {params} and rope_scaling {scaling} disagree; keep one of "
-                          "them (or make them equal)")
-    found = params or scaling or None
+        spelling.pop("type", None)
+        return spelling
+
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    top = cfg.get("rope_theta")
+    in_params = plain(params)
+    if scaling and (in_params.get("rope_type", "default") != "default" or len(in_params) > 1) and (
+            in_params != plain(scaling)):
+        raise ConfigError(f"{source}: rope_parameters {in_params} and rope_scaling {plain(scaling)} disagree; keep "
+                          "one of them (or make them equal)")
+    read, name = (scaling, "rope_scaling") if scaling else (params, "rope_parameters")
+    own = read.get("rope_theta")
+    if own is not None and top is not None and float(own) != float(top):
+        raise ConfigError(f"{source}: rope_theta {top} and {name}.rope_theta {own} disagree (transformers 5 reads "
+                          f"{own}, transformers 4.x and SGLang {top}); keep one of them (or make them equal)")
+    theta = float(own if own is not None else top if top is not None else TRANSFORMERS_DEFAULT_THETA)
+    dropped = params.get("rope_theta") if scaling and params else None
+    if dropped is not None and float(dropped) != theta:
+        log.warning(f"{source}: rope_parameters.rope_theta {dropped} is not used: rope_scaling replaces "
+                    f"rope_parameters as transformers reads the file, which rotates with rope_theta {theta:g}; to "
+                    f"rotate with {dropped}, give it in rope_scaling (or keep one spelling)")
+    found = plain(read) or None
     if found is not None and found.get("rope_type", "default") == "default" and len(found) <= 1:
         found = None
     if found is not None:
         found.setdefault("rope_type", "default")
         check_rope_scaling(found, f"{source}: rope_scaling")
-    return float(theta), found
+    return theta, found
 
 
 def layout_of_hf_config(cfg: dict[str, Any], source: str) -> tuple[list[str] | None, int | None]:
