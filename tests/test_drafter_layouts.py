@@ -320,6 +320,18 @@ def test_rope_parameters_beside_a_yarn_rope_scaling_rotates_as_transformers_read
         DrafterArch.from_hf_config(cfg)
 
 
+def test_a_target_with_both_rope_spellings_is_read_by_transformers_and_its_yarn_refused():
+    """The target's config goes through transformers itself: the same two spellings are its yarn (theta 10000),
+    which the drafter cannot copy from a target: refused naming it, never trained as plain RoPE with 1e7."""
+    from dflash.errors import BadInput
+    from dflash.models.target import target_config
+
+    spec = {**TINY["target"]["random_init"], "rope_parameters": {"rope_type": "default", "rope_theta": 1e7},
+            "rope_scaling": dict(YARN)}
+    with pytest.raises(BadInput, match="rope_type 'yarn'"):
+        target_config(None, spec)
+
+
 # ------------------------------------------------------------------------------------------------ foreign keys
 @pytest.mark.parametrize("change, message", [
     ({"attention_sink_bias": True}, "keys it does not implement: attention_sink_bias"),
