@@ -12,6 +12,7 @@ from dflash.errors import BadInput, DflashError
 from dflash.failures import EXIT_CODES, classify, describe
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+SUITE_MAX_NEW_TOKENS = 256  # `dflash eval --suite`'s new tokens per prompt unless --max-new-tokens says
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--latest", action="store_true", help="a run's newest checkpoint, not its best")
     v.add_argument("--prompts", help="chat JSONL of prompts (default: the run's held-out split)")
     v.add_argument("--num-prompts", type=int, default=32)
-    v.add_argument("--max-new-tokens", type=int, default=256)
+    v.add_argument("--max-new-tokens", type=int,
+                   help="new tokens per prompt, decoding stops at EOS before (default: what the run's evals decode, "
+                   "eval.max_new_tokens or the regenerated answers' limit; with --suite: 256)")
     v.add_argument("--thinking", choices=["keep", "strip", "disable", "on", "off"], default="keep",
                    help="on/off: render the prompts with enable_thinking=True/False (Qwen3-class templates; "
                    "disable = off); keep: the template's default")
@@ -153,12 +156,14 @@ def _cmd_export(args) -> int:
 def _cmd_eval(args) -> int:
     from dflash.evaluate import run_eval
 
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
+    if args.num_prompts < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         raise BadInput("--num-prompts and --max-new-tokens must be >= 1")
     _convert_packaged(args.config, args.overrides)
     if args.suite:
         from dflash.suites import run_suites
 
+        if args.max_new_tokens is None:  # benchmark prompts, not the run's: their own default
+            args.max_new_tokens = SUITE_MAX_NEW_TOKENS
         if args.latest:  # the suites take the drafter directory as given (a run's best, else its newest)
             from dflash.export import resolve_checkpoint
 

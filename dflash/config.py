@@ -168,7 +168,9 @@ class EvalConfig:
     """Real speculative decoding at every eval (logging.eval_interval and the final one)."""
 
     speculative_prompts: int = 8  # held-out prompts decoded with the target + drafter; 0 = off
-    max_new_tokens: int = 128  # per prompt
+    # per prompt; None: the length of the run's regenerated answers (data.regenerate.max_new_tokens, or the
+    # max_new_tokens of a `dflash regenerate` manifest beside the data), else 128 (dflash.evaluate.eval_token_limit)
+    max_new_tokens: int | None = None
 
 
 @dataclass
@@ -510,7 +512,8 @@ def validate(config: RunConfig) -> None:
         _require(0 < r.top_p <= 1, "data.regenerate.top_p must be in (0, 1]")
         _require(r.batch_size >= 1, "data.regenerate.batch_size must be >= 1")
     _require(config.eval.speculative_prompts >= 0, "eval.speculative_prompts must be >= 0 (0 = off)")
-    _require(config.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
+    _require(config.eval.max_new_tokens is None or config.eval.max_new_tokens >= 1,
+             "eval.max_new_tokens must be >= 1 (or unset: the length of the run's regenerated answers)")
     _require(o.lr > 0, f"optim.lr must be > 0 (got {o.lr})")
     _require(o.eps >= 0, f"optim.eps must be >= 0 (got {o.eps})")
     _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {o.weight_decay})")

@@ -87,12 +87,33 @@ def build_run_inputs(config: RunConfig, target: Target | None = None, layer_ids:
     return RunInputs(c, tokenizer, train_set, eval_set, layer_ids)
 
 
-def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, need_train: bool = True
-                  ) -> tuple[TokenizedSet | None, TokenizedSet | None]:
+@dataclass(frozen=True)
+class DataCaches:
+    """Where the data caches of a run lie (the regenerated answers under RUN/regenerated/, the tokenized files
+    under data.cache_dir or RUN/.token-cache/) and whether this process may write them. The trainer's are its own
+    output_dir's, written; `dflash eval` reads those of the run it evaluates (None: none) and writes none."""
+
+    run_dir: Path | None
+    write: bool = True
+
+    @classmethod
+    def of(cls, config: RunConfig) -> DataCaches:
+        return cls(Path(config.output_dir), True)
+
+    def token_cache(self, config: RunConfig) -> str | None:
+        if config.data.cache_dir:
+            return config.data.cache_dir
+        return str(self.run_dir / ".token-cache") if self.run_dir is not None else None
+
+
+def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, need_train: bool = True,
+                  caches: DataCaches | None = None) -> tuple[TokenizedSet | None, TokenizedSet | None]:
     """Train and held-out sets; with data.regenerate, their assistant turns are the target's own answers.
 
-    need_train=False (evaluation): only the held-out set is built; the first element is None."""
+    need_train=False (evaluation): only the held-out set is built; the first element is None. `caches`: where
+    the regenerated answers and tokenized files are read and written (default: the config's output_dir)."""
     d = config.data
+    caches = caches or DataCaches.of(config)
     if d.regenerate is not None and target is None:
         raise BadInput("data.regenerate needs the target in this process (colocated ranks); regenerate the data "
                        "with `dflash regenerate` and set data.train_path instead")
@@ -112,22 +133,26 @@ def load_datasets(config: RunConfig, tokenizer, target: Target | None = None, ne
             if not conversations:
                 continue
             if d.regenerate is not None:
-                conversations, _ = regenerated(config, name, conversations, tokenizer, target)
+                conversations, _ = regenerated(config, name, conversations, tokenizer, target, caches.run_dir,
+                                               write=caches.write)
             tokenized = tokenize_conversations(tokenizer, conversations, d.max_length, d.min_loss_tokens, name)
             if name == "synthetic":
                 train = tokenized
             else:
                 evalset = tokenized
     else:
-        cache = d.cache_dir or str(Path(config.output_dir) / ".token-cache")
+        cache = caches.token_cache(config)
 
         def load(path: str) -> TokenizedSet:
             if d.regenerate is not None:
                 from dflash.data.chat import read_jsonl
 
-                _, regen = regenerated(config, path, read_jsonl(path), tokenizer, target)
+                conversations, regen = regenerated(config, path, read_jsonl(path), tokenizer, target, caches.run_dir,
+                                                   write=caches.write)
+                if regen is None:  # answered in memory, never written
+                    return tokenize_conversations(tokenizer, conversations, d.max_length, d.min_loss_tokens, path)
                 path = str(regen)
-            return load_tokenized(path, tokenizer, d.max_length, d.min_loss_tokens, cache)
+            return load_tokenized(path, tokenizer, d.max_length, d.min_loss_tokens, cache, write=caches.write)
 
         train = load(d.train_path) if need_train else None
         evalset = load(d.eval_path) if d.eval_path else None
@@ -145,5 +170,5 @@ def check_token_range(dataset: TokenizedSet, vocab_size: int) -> None:
                        "tokenizer does not belong to this target")
 
 
-__all__ = ["RunInputs", "build_run_inputs", "check_token_range", "layer_ids_of", "load_datasets",
+__all__ = ["DataCaches", "RunInputs", "build_run_inputs", "check_token_range", "layer_ids_of", "load_datasets",
            "load_tokenizer", "load_tokenizer_dir"]

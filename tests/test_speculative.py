@@ -143,3 +143,67 @@ def test_eval_cli_reports_and_refuses_a_drafter_of_other_layers(tiny_config, tin
     assert rc == 2 and "taps target layers [1, 3, 4]" in capsys.readouterr().err
     rc = main(["eval", str(cfg), str(tmp_path / "missing")])
     assert rc == 2 and "no intact checkpoint" in capsys.readouterr().err
+
+
+def test_eval_cli_decodes_what_the_run_evaluates_and_writes_no_cache_outside_the_run(tiny_dict, write_config,
+                                                                                     tmp_path, capsys, monkeypatch):
+    """`dflash eval CONFIG RUN` without --max-new-tokens decodes as far as the run's evals (here the regenerated
+    answers' limit, eval.max_new_tokens being unset) and says so; it reads the held-out answers from RUN's cache
+    and writes none: not into the config's output_dir (another directory), not into RUN."""
+    from dflash.cli import main
+    from dflash.config import RunConfig, _build
+    from dflash.regenerate import hf
+    from dflash.train import Trainer
+
+    tiny_dict["output_dir"] = str(tmp_path / "run")
+    tiny_dict["data"]["synthetic"]["num_samples"] = 64
+    tiny_dict["data"]["regenerate"]["max_new_tokens"] = 12
+    tiny_dict["eval"] = {"speculative_prompts": 0}
+    trainer = Trainer(_build(RunConfig, tiny_dict, "")).setup()
+    assert trainer.evaluator.max_new_tokens == 12  # the trainer's evals decode the same
+    trainer.train_step()
+    trainer.save_checkpoint()
+    run, cached = tmp_path / "run", sorted((tmp_path / "run" / "regenerated").iterdir())
+    tiny_dict["output_dir"] = str(tmp_path / "other")
+    cfg = write_config(tiny_dict)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the run's cached answers were not read")
+
+    monkeypatch.setattr(hf, "TransformersBackend", no_generation)
+    capsys.readouterr()
+    assert main(["eval", str(cfg), str(run), "--num-prompts", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["max_new_tokens"], data["eos_ids"]) == (12, [3])
+    assert data["max_new_tokens_from"] == f"data.regenerate.max_new_tokens (the regenerated answers' limit) of {cfg}"
+    assert all(p["new_tokens"] <= 12 for p in data["prompts"])
+    assert sorted((run / "regenerated").iterdir()) == cached and not (tmp_path / "other").exists()
+
+    monkeypatch.undo()
+    for path in cached:  # no cache: the answers are generated in memory, and still nothing is written
+        path.unlink()
+    assert main(["eval", str(cfg), str(run), "--num-prompts", "2", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert ("decoded up to 5 new tokens per prompt (--max-new-tokens), stopping at EOS (token ids 3)\n"
+            "real acceptance length ") in out
+    assert not list((run / "regenerated").iterdir()) and not (tmp_path / "other").exists()
+
+
+def test_the_eval_limit_is_the_configs_else_the_regenerated_answers_else_128(tmp_path):
+    from dflash.config import RunConfig, _build
+    from dflash.evaluate import eval_token_limit
+
+    def limit(**data):
+        return eval_token_limit(_build(RunConfig, {"output_dir": str(tmp_path), "data": data,
+                                                   "eval": eval_section}, ""))
+
+    eval_section = {"max_new_tokens": 40}
+    assert limit(regenerate={"max_new_tokens": 12}) == (40, "eval.max_new_tokens")
+    eval_section = {}
+    assert limit(regenerate={"max_new_tokens": 12})[0] == 12
+    train = tmp_path / "train.jsonl"
+    (tmp_path / "train.jsonl.manifest.json").write_text(json.dumps({"sampling": {"max_new_tokens": 300}}))
+    assert limit(train_path=str(train)) == (300, "the regenerated answers' max_new_tokens (data.train_path's "
+                                                 "manifest)")
+    assert limit(train_path=str(tmp_path / "plain.jsonl")) == (128, "the default (eval.max_new_tokens unset, no "
+                                                                     "regenerated answers)")

@@ -163,8 +163,9 @@ def tokenize_conversations(tokenizer, conversations, max_length: int, min_loss_t
 
 
 def load_tokenized(path: str | os.PathLike, tokenizer, max_length: int, min_loss_tokens: int,
-                   cache_dir: str | os.PathLike | None) -> TokenizedSet:
-    """Tokenize a JSONL file, reusing the cache when file, tokenizer and settings are unchanged."""
+                   cache_dir: str | os.PathLike | None, write: bool = True) -> TokenizedSet:
+    """Tokenize a JSONL file, reusing the cache when file, tokenizer and settings are unchanged (`write=False`:
+    a cache is read, never written)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist; check data.train_path / data.eval_path")
@@ -183,7 +184,7 @@ def load_tokenized(path: str | os.PathLike, tokenizer, max_length: int, min_loss
             log.warning("tokenized cache %s unreadable (%s); re-tokenizing", cache_file, exc)
     result = tokenize_conversations(tokenizer, read_jsonl(path), max_length, min_loss_tokens, str(path))
     result.stats["cache"] = "miss"
-    if cache_file is not None:
+    if cache_file is not None and write:
         _write_cache(cache_file, result)
         result.stats["cache_file"] = str(cache_file)
     return result
