@@ -185,8 +185,10 @@ def test_licences_and_the_tasks_left_out(tmp_path, capsys):
     out = tmp_path / "pool.jsonl"
     assert main(["prompt-pool", str(out), "--tasks", "squad"]) == 2
     assert main(["prompt-pool", str(out), "--per-task", "0"]) == 2
+    assert main(["prompt-pool", str(tmp_path)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash: error: ")]
-    assert len(errors) == 2 and "--share-alike" in errors[0] and "--per-task must be >= 1" in errors[1]
+    assert len(errors) == 3 and "--share-alike" in errors[0] and "--per-task must be >= 1" in errors[1]
+    assert "a directory" in errors[2]
     assert not list(tmp_path.iterdir())
 
 

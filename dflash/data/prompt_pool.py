@@ -335,8 +335,9 @@ def write_pool(out: str | os.PathLike, seed: int = 0, per_task: int | None = Non
         if value is not None and value < 1:
             raise BadInput(f"{name} must be >= 1 (got {value})")
     out = Path(out)
-    if not out.parent.is_dir():
-        raise BadInput(f"{out}: the directory {out.parent} does not exist")
+    if not out.parent.is_dir() or out.is_dir():
+        raise BadInput(f"{out}: " + ("a directory; name the JSONL file to write" if out.is_dir() else
+                                     f"the directory {out.parent} does not exist"))
     chosen = select_tasks(tasks, share_alike)
     index = suite_index()
     rows, counts = build_pool(chosen, index, seed=seed, per_task=per_task, max_rows=max_rows)
