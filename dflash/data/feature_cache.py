@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from dflash.fileio import temp_sibling
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from dflash.models.target import DTYPES
 
 
 class FeatureCache:
