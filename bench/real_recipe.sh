@@ -20,15 +20,15 @@ shift
 case "$stage" in
   regen)
     t0=$SECONDS
-    python3 -m dflash target convert smollm2-135m-instruct 2>&1 | tail -1 | tee "$out/convert.log"
-    echo "convert: $((SECONDS - t0)) s"
+    target=$(python3 -c "from dflash.models.packaged_target import convert; print(convert('smollm2-135m-instruct'))")
+    echo "convert: $((SECONDS - t0)) s: $target"
     deadline=$((SECONDS + ${1:-480}))
     for split in held-out:eval pool:train; do
       t0=$SECONDS
       left=$((deadline - SECONDS))
       timeout -k 10 "$((left > 10 ? left : 10))" python3 -m dflash regenerate "data/smollm2/${split%%:*}.jsonl" \
-        "data/smollm2/${split##*:}.jsonl" --target-path packaged:smollm2-135m-instruct --dtype float32 --max-new-tokens "${MAX_NEW_TOKENS:-512}" \
-        --batch-size "${BATCH_SIZE:-512}" >"$out/regen-${split##*:}.log" 2>&1 || { tail -5 "$out/regen-${split##*:}.log"; exit 1; }
+        "data/smollm2/${split##*:}.jsonl" --target-path "$target" --dtype float32 --max-new-tokens "${MAX_NEW_TOKENS:-512}" \
+        --batch-size "${BATCH_SIZE:-512}" ${LIMIT:+--limit "$LIMIT"} >"$out/regen-${split##*:}.log" 2>&1 || { tail -5 "$out/regen-${split##*:}.log"; exit 1; }
       echo "regenerate ${split%%:*}: $((SECONDS - t0)) s"
       grep -E "generated_tokens|tokens/s" "$out/regen-${split##*:}.log" | tail -2 | cut -c1-400
     done

@@ -213,6 +213,12 @@ def _cmd_regenerate(args) -> int:
 
     if args.target_config:
         _convert_packaged(args.target_config, [])
+    from dflash.packaged import packaged_name
+
+    if packaged_name(args.target_path):  # --target-path packaged:NAME: the converted directory
+        from dflash.models.packaged_target import convert
+
+        args.target_path = str(convert(packaged_name(args.target_path)))
     return run_regenerate(args)
 
 
