@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                        "of an eval suite's row (docs/evaluation.md)")
     q.add_argument("out", help="the chat JSONL to write (a summary goes to OUT.summary.json)")
     q.add_argument("--max-rows", type=int, help="keep the first N rows (tasks are dealt round-robin)")
+    q.add_argument("--held-out", type=int, default=0, metavar="N",
+                   help="write the first N rows (a balanced sample) to --held-out-to instead: the run's held-out prompts")
+    q.add_argument("--held-out-to", metavar="FILE", help="with --held-out: the held-out prompts' JSONL (data.eval_path)")
     q.add_argument("--per-task", type=int, help="at most N rows of each task")
     q.add_argument("--seed", type=int, default=0, help="shuffles each task's rows")
     q.add_argument("--tasks", help="comma-separated task names or patterns (minerva_math_*); default: all whose "
@@ -227,7 +230,7 @@ def _cmd_prompt_pool(args) -> int:
 
     tasks = args.tasks.split(",") if args.tasks else None
     summary = write_pool(args.out, seed=args.seed, per_task=args.per_task, max_rows=args.max_rows, tasks=tasks,
-                         share_alike=args.share_alike)
+                         share_alike=args.share_alike, held_out=args.held_out, held_out_path=args.held_out_to)
     print(render(summary))
     return EXIT_OK
 

