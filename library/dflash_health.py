@@ -119,6 +119,12 @@ options:
         is signalled.
     type: bool
     default: false
+  world_size:
+    description:
+      - The job's ranks (all nodes); the stack files of ranks 0 to O(world_size) - 1 are read, no others. V(0) - not
+        known - reads ranks 0 to 63.
+    type: int
+    default: 0
   watchdog:
     description:
       - The unit's watchdog interval (the job role's C(dflash_job_watchdog)), for the diagnosis of a C(hung) job - when
@@ -342,6 +348,7 @@ def main():
             "nodes": {"type": "list", "elements": "str", "default": []},
             "dump_stacks": {"type": "bool", "default": False},
             "watchdog": {"type": "int", "default": 0},
+            "world_size": {"type": "int", "default": 0},
         },
         supports_check_mode=True,
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+from ansible.module_utils.dflash_host import printable
+
 GPU_FIELDS = (
     "index",
     "uuid",
@@ -104,7 +106,8 @@ def parse_process_csv(text, gpus=()):
                 "gpu_uuid": gpu_uuid,
                 "gpu_index": index_by_uuid.get(gpu_uuid),
                 "pid": _int_or_none(pid),
-                "process_name": parse_value(pname),
+                # any process may name itself: escaped (dflash_host.printable) like all text of the trainer's
+                "process_name": printable(parse_value(pname) or "") or None,
                 "used_memory_mib": _int_or_none(used),
             }
         )

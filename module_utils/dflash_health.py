@@ -34,16 +34,17 @@ stop timeout (137) reads as ``crashed``.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, gpu_faults, query_gpus
-from ansible.module_utils.dflash_host import read_text, read_text_checked, tail_lines_checked
+from ansible.module_utils.dflash_host import tail_lines_checked
 from ansible.module_utils.dflash_stacks import describe as describe_stacks
 from ansible.module_utils.dflash_stacks import hang_evidence, stacks_report
 from ansible.module_utils.dflash_unit_procs import pid_alive, proc_stat_fields
 from ansible.module_utils.dflash_unit_records import is_running
+from ansible.module_utils.dflash_untrusted import read_heartbeat as read_heartbeat_file
+from ansible.module_utils.dflash_untrusted import read_node_file, read_word
 
 INVARIANTS = ("log", "unit", "gpu", "progress", "joined")
 TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST, DRIVER_MISMATCH = (
@@ -61,22 +62,12 @@ LAUNCH_SLACK_S = 2.0
 
 
 def read_heartbeat(path):
-    """The heartbeat dict, or ``(None, reason)`` when missing or unreadable.
+    """The heartbeat dict, or ``(None, reason)`` when missing, unreadable or invalid.
 
-    The trainer account writes it: a FIFO, a device or a link in its place is reported, never waited on
-    or followed (dflash_host.read_text_checked), and at most 1 MiB of it is read."""
-    text, unsafe = read_text_checked(path)
-    if unsafe:
-        return None, f"heartbeat file {path} {unsafe}: not read (the trainer writes it as a plain file)"
-    if text is None:
-        return None, f"heartbeat file {path} does not exist"
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        return None, f"heartbeat file {path} is not JSON ({exc})"
-    if not isinstance(data, dict) or not isinstance(data.get("step"), int):
-        return None, f"heartbeat file {path} has no integer 'step'"
-    return data, None
+    The trainer account writes it: read as dflash_untrusted reads every file of the trainer's (no link followed,
+    never waited on, regular files with one link only, a size cap, its fields' types checked, its text escaped).
+    A file of the wrong shape is an ``invalid heartbeat``, said in the reason, never an exception."""
+    return read_heartbeat_file(path)
 
 
 def process_started_at(pid):
@@ -114,7 +105,7 @@ def process_tree(main_pid):
 
 def read_checkpoint(run_dir):
     """Name and step of ``RUN_DIR/checkpoints/latest``, or (None, None)."""
-    name = (read_text(os.path.join(run_dir, "checkpoints", "latest")) or "").strip()
+    name = read_word(os.path.join(run_dir, "checkpoints", "latest"))
     if not name:
         return None, None
     base = os.path.basename(name.rstrip("/"))
@@ -144,7 +135,7 @@ def observe(host, params, backend_status, wall=None):
     obs["heartbeat"], obs["heartbeat_error"] = read_heartbeat(params["heartbeat_path"])
     obs["node"], obs["node_error"] = None, None
     if params.get("node_heartbeat_path"):
-        node, obs["node_error"] = read_heartbeat(params["node_heartbeat_path"])
+        node, obs["node_error"] = read_node_file(params["node_heartbeat_path"])
         if node is not None:
             current, why = heartbeat_is_current({**obs, "heartbeat": node})
             obs["node"], obs["node_error"] = (node, None) if current else (None, "the node file is not this launch's: " + why)

@@ -165,7 +165,9 @@ def open_nofollow(path, follow=False):
     other account (the trainer replacing its run directory, or a file in it) raises ``UnsafeFile``. The
     last component is never a link unless ``follow`` (root's own paths, such as an operator's environment
     file, may be links to root's files). It is opened with ``O_NONBLOCK`` (a FIFO never blocks the open)
-    and must be a regular file: a FIFO, device, socket or directory raises ``UnsafeFile`` naming its kind.
+    and must be a regular file: a FIFO, device, socket or directory raises ``UnsafeFile`` naming its kind,
+    and so does a file with more than one hard link (the trainer may link any file it can see into its
+    run directory where the kernel does not protect hard links).
     ``FileNotFoundError``/``NotADirectoryError`` pass through (missing)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     walk = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -201,10 +203,13 @@ def open_nofollow(path, follow=False):
                     if exc.errno == errno.ELOOP:  # replaced by a link since the stat
                         _fail(where, path, "is a symbolic link, which root does not follow")
                     raise
-                kind = os.fstat(fd).st_mode
-                if not stat.S_ISREG(kind):
+                opened = os.fstat(fd)
+                if not stat.S_ISREG(opened.st_mode):
                     os.close(fd)
-                    _fail(where, path, f"is not a regular file ({file_kind(kind)})")
+                    _fail(where, path, f"is not a regular file ({file_kind(opened.st_mode)})")
+                if opened.st_nlink > 1:  # another name of the same file: perhaps a root-only one elsewhere
+                    os.close(fd)
+                    _fail(where, path, f"has {opened.st_nlink} hard links, which root does not read")
                 return fd
             try:
                 next_fd = os.open(name, walk, dir_fd=dir_fd)
@@ -280,13 +285,26 @@ def read_text(path, default=None, limit=READ_LIMIT, follow=False):
 
 TAIL_BYTES = 256 * 1024  # a diagnosis tail reads at most this much of a log
 
+# Control characters of text the trainer wrote (a log line, a heartbeat's `error`, a stack frame) as they are shown:
+# escaped, so that no ESC sequence, carriage return or newline of theirs reaches an operator's terminal or a log
+# line raw (a screen clear, a forged `health: OK` line). C0 but the tab, DEL, C1, and the Unicode line separators
+# and bidirectional overrides.
+_UNPRINTABLE = {code: f"\\x{code:02x}" for code in [*range(0x09), *range(0x0A, 0x20), 0x7F, *range(0x80, 0xA0)]}
+_UNPRINTABLE.update({code: f"\\u{code:04x}" for code in (0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+
+def printable(text):
+    """``text`` with its control characters escaped (``\\x1b``): safe to print to a terminal, one line."""
+    return text.translate(_UNPRINTABLE)
+
 
 def render_lines(data):
     """The lines of a log chunk (bytes) as a terminal left them: split at ``"\n"`` only (``str.splitlines``
     would also split at ``"\r"``, form feeds and Unicode separators), and of a line a progress bar redrew with
-    carriage returns only its last state (a trailing ``"\r"``, as in CRLF, ends a state, it starts none)."""
+    carriage returns only its last state (a trailing ``"\r"``, as in CRLF, ends a state, it starts none); any
+    other control character is escaped (``printable``)."""
     lines = data.decode("utf-8", errors="replace").split("\n")
-    return [line.rstrip("\r").rsplit("\r", 1)[-1] for line in lines]
+    return [printable(line.rstrip("\r").rsplit("\r", 1)[-1]) for line in lines]
 
 
 def read_lines(path, offset=-1, count=40, max_bytes=TAIL_BYTES, partial=False):

@@ -40,7 +40,9 @@ TOP_FRAMES = 3
 # all-reduce, which the backward waits for inside the autograd engine (a drafter rank whose peer hangs before its
 # backward sits in `_engine_run_backward`, torch/autograd/graph.py).
 WAIT_PATHS = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/")
-RANK_FILE = re.compile(r"^rank-(\d+)\.txt$")
+# The ranks whose stack files are read when the job's world size is not known, and at most ever.
+MAX_RANKS = 64
+MAX_RANKS_READ = 4096
 THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.+)$')
 FATAL = "Fatal Python error:"
@@ -97,24 +99,30 @@ def format_frame(frame):
     return f"{func} ({short_path(file)}:{line})"
 
 
-def read_stacks(run_dir, since=None):
+def rank_files(run_dir, world_size=None):
+    """``(rank, path)`` of the stack file of every rank of the job: ranks 0 to ``world_size`` - 1 (MAX_RANKS when it
+    is not known). Named, never listed: the run directory is the trainer's, and a directory of a million files
+    costs root nothing."""
+    directory = os.path.join(run_dir, STACKS_DIR)
+    count = int(world_size) if world_size and int(world_size) > 0 else MAX_RANKS
+    return [(rank, os.path.join(directory, f"rank-{rank}.txt")) for rank in range(min(count, MAX_RANKS_READ))]
+
+
+def read_stacks(run_dir, since=None, world_size=None):
     """Per rank (int -> dict), the last dump of its last start: ``dumped_at`` (unix time), ``fatal`` (the fatal
     error's name or None), ``frames`` (the main thread's top TOP_FRAMES frames, formatted), ``top`` ((file,
     function) of its top frame or None), ``path``. Ranks without a dump since their last start, or whose file was
-    last written before ``since`` (unix time, e.g. the launch), are left out."""
-    directory = os.path.join(run_dir, STACKS_DIR)
-    try:  # the run directory is the trainer's: root follows no link there and reads regular files only, a tail
-        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+    last written before ``since`` (unix time, e.g. the launch), are left out; so are ranks at or past
+    ``world_size`` (``rank_files``)."""
+    found = {}
+    try:  # the trainer's `stacks` directory: never a link, whoever made it
+        if not stat.S_ISDIR(os.lstat(os.path.join(run_dir, STACKS_DIR)).st_mode):
             return {}
-        names = os.listdir(directory)
     except OSError:
         return {}
-    found = {}
-    for name in names:
-        match = RANK_FILE.match(name)
-        if not match:
-            continue
-        path = os.path.join(directory, name)
+    for rank, path in rank_files(run_dir, world_size):
+        # the run directory is the trainer's: root follows no link there and reads regular files only, a tail
+        # (dflash_host.read_lines), its text escaped
         try:
             st = os.lstat(path)
         except OSError:
@@ -130,12 +138,12 @@ def read_stacks(run_dir, since=None):
             continue
         thread = main_thread(dumps[-1])
         frames = thread["frames"] if thread else []
-        found[int(match.group(1))] = {
-            "rank": int(match.group(1)), "path": path, "dumped_at": mtime, "dumps": len(dumps),
+        found[rank] = {
+            "rank": rank, "path": path, "dumped_at": mtime, "dumps": len(dumps),
             "fatal": dumps[-1]["fatal"], "frames": [format_frame(f) for f in frames[:TOP_FRAMES]],
             "top": (frames[0][0], frames[0][2]) if frames else None,
         }  # fmt: skip
-    return dict(sorted(found.items()))
+    return found
 
 
 def stuck_ranks(stacks):
@@ -182,28 +190,23 @@ def catches(pid, signum):
     return False
 
 
-def _sizes(directory):
+def _sizes(run_dir, world_size=None):
     sizes = {}
-    try:
-        for name in os.listdir(directory):
-            if RANK_FILE.match(name):
-                try:
-                    sizes[name] = os.lstat(os.path.join(directory, name)).st_size
-                except OSError:
-                    pass
-    except OSError:
-        pass
+    for _rank, path in rank_files(run_dir, world_size):
+        try:
+            sizes[os.path.basename(path)] = os.lstat(path).st_size
+        except OSError:
+            pass
     return sizes
 
 
-def request_dump(pid, run_dir, wait=2.0, sleep=time.sleep, clock=time.monotonic):
+def request_dump(pid, run_dir, wait=2.0, sleep=time.sleep, clock=time.monotonic, world_size=None):
     """Send DUMP_SIGNAL to the job's main process (the trainer, or the launcher that passes it on to its ranks)
     when it catches it, then wait up to ``wait`` seconds for the stack files to grow. Returns whether it was
     sent."""
     if not pid or int(pid) == os.getpid() or not catches(pid, DUMP_SIGNAL):
         return False
-    directory = os.path.join(run_dir, STACKS_DIR)
-    before = _sizes(directory)
+    before = _sizes(run_dir, world_size)
     try:
         os.kill(int(pid), DUMP_SIGNAL)
     except OSError:
@@ -211,7 +214,7 @@ def request_dump(pid, run_dir, wait=2.0, sleep=time.sleep, clock=time.monotonic)
     deadline = clock() + wait
     grown = set()
     while clock() < deadline:
-        after = _sizes(directory)
+        after = _sizes(run_dir, world_size)
         grown = {n for n, size in after.items() if size > before.get(n, 0)}
         # every file of a rank that was there grew (a rank's file that never grows is a rank already gone)
         if grown and grown >= set(before):
@@ -226,10 +229,11 @@ def hang_evidence(host, obs, params, wait=2.0):
     seconds on the host's clock, and read the stacks written since this launch started."""
     run_dir = os.path.dirname(params["heartbeat_path"])
     unit = obs.get("unit") or {}
+    world_size = params.get("world_size")
     if unit.get("main_pid_alive"):
         request_dump(unit.get("main_pid"), run_dir, float(params.get("stacks_wait", wait)), sleep=host.sleep,
-                     clock=host.now)
-    return read_stacks(run_dir, since=unit.get("started_at"))
+                     clock=host.now, world_size=world_size)
+    return read_stacks(run_dir, since=unit.get("started_at"), world_size=world_size)
 
 
 def stacks_report(stacks):

@@ -27,7 +27,8 @@ BAR = (b"loading\n"
 def test_carriage_returns_keep_each_lines_last_state():
     assert render_lines(b"10%\r50%\r100%") == ["100%"]
     assert render_lines(b"crlf\r\n") == ["crlf", ""]  # "\r\n" ends a line; it starts no empty state
-    assert render_lines(b"a\x0cb\x1cc\xe2\x80\xa8d") == ["a\x0cb\x1cc\u2028d"]  # "\n" is the only line break
+    # "\n" is the only line break; other control characters are escaped (no raw one reaches a terminal)
+    assert render_lines(b"a\x0cb\x1cc\xe2\x80\xa8d\x1b[2J") == ["a\\x0cb\\x1cc\\u2028d\\x1b[2J"]
     assert render_lines(b"half \xff") == ["half \ufffd"]
 
 

@@ -134,6 +134,31 @@ def test_readers_cap_the_size_they_read(tmp_path):
     assert tail_lines(str(tmp_path / "log"), 2) == ["a", "last"]
 
 
+def test_a_hard_link_is_not_read(tmp_path):
+    """Another name of a file (where the kernel does not protect hard links, the trainer may link a root-only file
+    into its run directory): refused, the file's content unread."""
+    secret = _secret(tmp_path)
+    run = _run_dir(tmp_path)
+    os.link(secret, run / "heartbeat.json")
+    text, reason = read_text_checked(str(run / "heartbeat.json"))
+    assert text is None and reason == "has 2 hard links, which root does not read"
+    answered, result = _status(run)
+    assert answered and result["heartbeat"] is None and str(SECRET_STEP) not in json.dumps(result, default=str)
+
+
+@pytest.mark.parametrize("beat", [
+    {"step": 5, "time": "x"}, {"step": [1]}, {"step": 5, "pid": "1"}, {"step": True}, {"step": 5, "loss": "nan?"},
+    [1], "step", None, "[" * 200_000 + "]" * 200_000, "[" * 20_000 + "]" * 20_000, '{"step": 5, "time": NaN}',
+])  # fmt: skip
+def test_a_heartbeat_of_the_wrong_shape_is_an_invalid_heartbeat_not_a_crash(tmp_path, beat):
+    run = _run_dir(tmp_path)
+    (run / "heartbeat.json").write_text(beat if isinstance(beat, str) else json.dumps(beat))
+    answered, result = _status(run)
+    assert answered and "diagnosis" in result, result
+    assert result["heartbeat"] is None
+    assert f"heartbeat file {run / 'heartbeat.json'}: invalid heartbeat: it is " in result["diagnosis"], result["diagnosis"]
+
+
 def test_a_directory_or_device_is_unreadable_with_its_kind(tmp_path):
     assert read_text_checked(str(tmp_path))[1] == "is not a regular file (directory)"
     text, reason = read_text_checked("/dev/null", follow=True)

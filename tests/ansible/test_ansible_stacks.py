@@ -228,3 +228,16 @@ def test_root_reads_no_fifo_or_link_the_trainer_puts_in_the_stacks_directory(tmp
     linked.mkdir()
     os.symlink(elsewhere / "stacks", linked / "stacks")
     assert read_stacks(str(linked)) == {} and read_stacks(str(elsewhere))[0]["frames"] == ["stuck (x.py:3)"]
+
+
+def test_the_stacks_reader_reads_the_jobs_ranks_only(tmp_path):
+    """Ranks 0 to the world size - 1, each named (a directory of the trainer's is never listed): a rank file past the
+    world size, or past MAX_RANKS when it is not known, is not read."""
+    from ansible.module_utils.dflash_stacks import MAX_RANKS
+
+    (tmp_path / "stacks").mkdir()
+    dump = '# dflash stacks: rank {r} pid 1 started x (1)\nCurrent thread 0x00007f (most recent call first):\n  File "/x.py", line 3 in stuck\n'
+    for rank in (0, 1, 5, MAX_RANKS):
+        (tmp_path / "stacks" / f"rank-{rank}.txt").write_text(dump.format(r=rank))
+    assert sorted(read_stacks(str(tmp_path), world_size=2)) == [0, 1]
+    assert sorted(read_stacks(str(tmp_path))) == [0, 1, 5]
