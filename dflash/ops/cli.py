@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as escape_markup
 from rich.table import Table
 
 from dflash.errors import BadInput
@@ -34,9 +34,15 @@ from dflash.ops.results import (
     UNREACHABLE,
     ContainerStatus,
     OpsResult,
+    printable,
 )
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def escape(text: Any) -> str:
+    """``text`` for rich: its control characters escaped (results.printable), then its markup."""
+    return escape_markup(printable(text))
 
 _HELP = {
     "train": "provision the containers, launch the trainer, prove it trains (playbooks/train.yml)",
@@ -201,7 +207,7 @@ def _logs(args: argparse.Namespace, extravars: dict[str, Any], progress: bool) -
 
     def emit(host: str, lines: list[str]) -> None:
         for line in lines:
-            print(json.dumps({"host": host, "line": line}) if args.json else f"{host} | {line}", flush=True)
+            print(json.dumps({"host": host, "line": line}) if args.json else printable(f"{host} | {line}"), flush=True)
 
     if args.follow:
         return api.logs(args.inventory, args.lines, follow=True, limit=args.limit, progress=progress, on_lines=emit,

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as escape_markup
 
 from dflash.ops.results import (
     MODULE_HEALTH,
@@ -15,7 +15,14 @@ from dflash.ops.results import (
     failure_summary,
     health_diagnosis,
     module_name,
+    printable,
 )
+
+
+def escape(text: Any) -> str:
+    """``text`` for rich: its control characters escaped (results.printable), then its markup."""
+    return escape_markup(printable(text))
+
 
 # Tasks that only include others: their "ok" says nothing.
 _INCLUDES = {"include_role", "include_tasks", "import_role", "import_tasks"}

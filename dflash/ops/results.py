@@ -35,6 +35,16 @@ OK_STATES = (TRAINING, FINISHED, STARTING, STOPPED)
 # A failure of these modules means the input (inventory, -e) is wrong, not the hosts.
 BAD_INPUT_MODULES = ("dflash_inventory_check", "validate_argument_spec")
 
+# Control characters but the newline and the tab, escaped before anything is printed: the modules escape the trainer's
+# text on the target (module_utils/dflash_host.printable); this is the controller's own guard.
+_CONTROL = {code: f"\\x{code:02x}" for code in (*range(0x09), *range(0x0B, 0x20), 0x7F, *range(0x80, 0xA0))}
+_CONTROL.update({code: f"\\u{code:04x}" for code in (0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+
+def printable(text: Any) -> str:
+    """``text`` with its control characters (ESC, carriage return, ...; not the newline, not the tab) escaped."""
+    return str(text).translate(_CONTROL)
+
 
 @dataclass
 class GpuMemory:

@@ -9,16 +9,19 @@ line every ``interval`` seconds while the task runs::
     [dflash-local] 20s waiting for pip in the container (torch, the trainer's dependencies): Collecting tokenizers<1,>=0.21
 
 The line names what it waits for and what is happening: the newest line of ``log`` that matches ``pattern``, the
-log's growth since the line before, and with ``heartbeat`` the trainer's step and status. The task's own result is
-this task's result (as ``ansible.builtin.async_status`` returns it, ``finished`` true): a failure fails here with the
-task's message, once.
+log's growth since the line before, and with ``heartbeat`` the trainer's step and status. Both are read on the target
+by the dflash_progress module (library/), as root reads every file the trainer account may write: no link followed,
+never waiting on a FIFO, a size cap, the heartbeat's types checked, control characters escaped; it ends itself after
+``READ_TIMEOUT`` seconds, and the results-file check runs under ``timeout``: no remote command of the wait is
+unbounded. The task's own result is this task's result (as ``ansible.builtin.async_status`` returns it, ``finished``
+true): a failure fails here with the task's message, once.
 
 Options:
   jid (str, required): the ``ansible_job_id`` of the background task.
   what (str, required): what it waits for, as the operator reads it.
   log (path): a file on the target whose newest matching line is shown (pip's ``--log``, a job's log).
-  pattern (str): an extended regular expression (``grep -E``) a line of ``log`` must match to be shown; default any
-    non-blank line.
+  pattern (str): a regular expression (Python's ``re``; ``grep -E``'s common forms) a line of ``log`` must match to be
+    shown; default any non-blank line.
   heartbeat (path): a JSON file on the target with ``step`` and ``status`` (the trainer's heartbeat).
   interval (int): seconds between two lines (default 10).
   timeout (int): seconds to wait at most (default 3600); the task goes on in the background after that.
@@ -44,9 +47,13 @@ display = Display()
 # How often the task is checked at most, in seconds (a task that ends is noticed within this; each check reads the
 # task's results file on the target with one shell command, and async_status runs once the task has ended).
 CHECK_MAX = 3.0
-# How much of the log's end is read each time (a pip log is verbose; its newest matching line is near the end).
+# How much of the log's end is searched each time (a pip log is verbose; its newest matching line is near the end).
 TAIL_BYTES = 65536
-MARK = "--dflash-wait-heartbeat--"
+# Seconds any one remote command of the wait may take: the results file's `cat` runs under `timeout`, the
+# progress module ends itself after READ_TIMEOUT.
+CHECK_TIMEOUT = 10
+READ_TIMEOUT = 20
+NO_PROGRESS = {"size": None, "line": None, "heartbeat": None, "heartbeat_error": None, "log_error": None}
 
 
 def human_bytes(n: int) -> str:
@@ -57,31 +64,35 @@ def human_bytes(n: int) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
-def progress_command(log: str | None, pattern: str, heartbeat: str | None) -> str:
-    """One POSIX shell command that prints the log's size and its newest matching line, then the heartbeat file."""
-    parts = []
+def printable(text: str) -> str:
+    """``text`` with every control character escaped (module_utils/dflash_host.printable: what reaches the screen is
+    escaped on the target already; this is the controller's own guard)."""
+    return "".join(c if c.isprintable() or c == "\t" else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+                   for c in text)
+
+
+def progress_args(log: str | None, pattern: str, heartbeat: str | None) -> dict:
+    """The dflash_progress module's arguments."""
+    args = {"pattern": pattern, "tail_bytes": TAIL_BYTES, "timeout": READ_TIMEOUT}
     if log:
-        q = shlex.quote(log)
-        parts.append(f"if [ -r {q} ]; then wc -c < {q}; tail -c {TAIL_BYTES} {q} | tr '\\r' '\\n' "
-                     f"| grep -aE -- {shlex.quote(pattern)} | tail -n 1; fi")  # fmt: skip
+        args["log"] = log
     if heartbeat:
-        parts.append(f"echo {MARK}; cat {shlex.quote(heartbeat)} 2>/dev/null")
-    return "; ".join(parts) + "; true"
+        args["heartbeat"] = heartbeat
+    return args
 
 
-def parse_progress(stdout: str, heartbeat: bool) -> dict:
-    """{'size': int | None, 'line': str | None, 'heartbeat': dict | None} from progress_command's output."""
-    log_part, _, beat_part = stdout.partition(MARK + "\n") if heartbeat else (stdout, "", "")
-    lines = log_part.splitlines()
-    size = int(lines[0].strip()) if lines and lines[0].strip().isdigit() else None
-    line = lines[1].strip() if size is not None and len(lines) > 1 and lines[1].strip() else None
-    beat = None
-    if beat_part.strip():
-        try:
-            beat = json.loads(beat_part)
-        except ValueError:
-            beat = None  # being replaced right now: the next line has it
-    return {"size": size, "line": line, "heartbeat": beat if isinstance(beat, dict) else None}
+def parse_progress(result: dict) -> dict:
+    """{'size', 'line', 'heartbeat', 'heartbeat_error', 'log_error'} of the dflash_progress module's result (a failed
+    or odd result reads as nothing known yet)."""
+    if not isinstance(result, dict) or result.get("failed"):
+        return dict(NO_PROGRESS)
+    out = {key: result.get(key) for key in NO_PROGRESS}
+    beat = out["heartbeat"]
+    if not (isinstance(beat, dict) and isinstance(beat.get("step"), int)):
+        out["heartbeat"] = None
+    if not isinstance(out["size"], int) or isinstance(out["size"], bool):
+        out["size"] = None
+    return out
 
 
 def still_running(text: str) -> bool:
@@ -89,7 +100,7 @@ def still_running(text: str) -> bool:
     `finished`); a finished task's file holds its module's result, which only async_status reads as Ansible does."""
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(data, dict) and bool(data.get("started")) and not data.get("finished")
 
@@ -103,13 +114,19 @@ def describe(progress: dict, previous_size: int | None, has_log: bool, has_heart
     parts = []
     if has_heartbeat:
         beat = progress["heartbeat"]
-        if beat is None:
-            parts.append("no heartbeat yet")
+        if beat is not None:
+            parts.append(f"heartbeat step {beat.get('step', '?')} ({beat.get('status') or '?'})")
+        elif "invalid heartbeat" in (progress.get("heartbeat_error") or ""):
+            parts.append("invalid heartbeat")
+        elif "not read" in (progress.get("heartbeat_error") or ""):
+            parts.append("heartbeat not read (not a plain file of the trainer's)")
         else:
-            parts.append(f"heartbeat step {beat.get('step', '?')} ({beat.get('status', '?')})")
+            parts.append("no heartbeat yet")
     if has_log:
         size = progress["size"]
-        if size is None:
+        if progress.get("log_error"):
+            parts.append(f"log {progress['log_error']}: not read")
+        elif size is None:
             parts.append("no log yet")
         else:
             grew = "" if previous_size is None else f", +{human_bytes(size - previous_size)}"
@@ -118,7 +135,7 @@ def describe(progress: dict, previous_size: int | None, has_log: bool, has_heart
                 line = _TIMESTAMP.sub("", progress["line"])
                 text += f": {line[:160]}{'...' if len(line) > 160 else ''}"
             parts.append(text)
-    return "; ".join(parts)
+    return printable("; ".join(parts))
 
 
 class ActionModule(ActionBase):
@@ -135,16 +152,16 @@ class ActionModule(ActionBase):
         return result
 
     def _still_running(self, results_file: str) -> bool:
-        """The background task's results file read by one shell command (a module run costs about 0.2 s of CPU on
-        the target, `cat` a few ms): True only while it reads as the async wrapper's "started, not finished"."""
-        res = self._low_level_execute_command(f"cat {shlex.quote(results_file)}")
+        """The background task's results file (root's, in its async dir) read by one shell command (a module run
+        costs about 0.2 s of CPU on the target, `cat` a few ms), under `timeout`: True only while it reads as the
+        async wrapper's "started, not finished"."""
+        res = self._low_level_execute_command(f"timeout -k 2 {CHECK_TIMEOUT} cat {shlex.quote(results_file)}")
         return res.get("rc") == 0 and still_running(res.get("stdout", ""))
 
-    def _progress(self, command: str, has_heartbeat: bool) -> dict:
-        res = self._low_level_execute_command(command)
-        if res.get("rc") != 0:
-            return {"size": None, "line": None, "heartbeat": None}
-        return parse_progress(res.get("stdout", ""), has_heartbeat)
+    def _progress(self, args: dict, task_vars: dict) -> dict:
+        """The log's newest line and the heartbeat, read on the target by dflash_progress (it ends itself)."""
+        result = self._execute_module(module_name="dflash_progress", module_args=args, task_vars=task_vars)
+        return parse_progress(result)
 
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
@@ -160,7 +177,7 @@ class ActionModule(ActionBase):
         if args["interval"] < 1 or args["timeout"] < 0:
             raise AnsibleActionFail("dflash_wait: interval must be >= 1 and timeout >= 0")
         host = task_vars.get("inventory_hostname", "?") if task_vars else "?"
-        command = (progress_command(args["log"], args["pattern"], args["heartbeat"])
+        command = (progress_args(args["log"], args["pattern"], args["heartbeat"])
                    if args["log"] or args["heartbeat"] else None)  # fmt: skip
 
         async_dir = self._remote_expand_user(self.get_shell_option("async_dir", default="~/.ansible_async"))
@@ -171,7 +188,7 @@ class ActionModule(ActionBase):
         check_every = 1.0
         previous_size = None
         if command:
-            previous_size = self._progress(command, bool(args["heartbeat"]))["size"]
+            previous_size = self._progress(command, task_vars)["size"]
         while True:
             # Polled cheaply; once the file reads otherwise (finished, failed, not there), async_status says what
             # it is and its result is this task's.
@@ -186,9 +203,9 @@ class ActionModule(ActionBase):
                     "msg": f"gave up waiting for {args['what']} after {args['timeout']}s; it goes on in the "
                            f"background on {host} (async job {args['jid']})"})  # fmt: skip
             if now >= next_line:
-                text = f"[{host}] {now - start:.0f}s waiting for {args['what']}"
+                text = f"[{printable(host)}] {now - start:.0f}s waiting for {printable(args['what'])}"
                 if command:
-                    progress = self._progress(command, bool(args["heartbeat"]))
+                    progress = self._progress(command, task_vars)
                     detail = describe(progress, previous_size, bool(args["log"]), bool(args["heartbeat"]))
                     previous_size = progress["size"] if progress["size"] is not None else previous_size
                     text += f": {detail}" if detail else ""

@@ -342,36 +342,40 @@ def test_only_the_async_wrappers_running_mark_reads_as_running():
 
 def test_a_line_names_a_log_and_a_heartbeat_that_are_not_there_yet():
     plugin = _load_wait_plugin()
-    progress = plugin.parse_progress(f"{plugin.MARK}\n", heartbeat=True)
-    assert progress == {"size": None, "line": None, "heartbeat": None}
+    progress = plugin.parse_progress({"size": None, "line": None, "heartbeat": None, "heartbeat_error": "missing"})
+    assert progress == plugin.NO_PROGRESS | {"heartbeat_error": "missing"}
     assert plugin.describe(progress, None, True, True) == "no heartbeat yet; no log yet"
+    assert plugin.parse_progress({"failed": True, "msg": "boom"}) == plugin.NO_PROGRESS  # a failed read: nothing yet
+    # what the target's reader refused or found invalid is said, never shown raw
+    refused = plugin.parse_progress({"heartbeat_error": "heartbeat file h is not a regular file (fifo): not read",
+                                     "log_error": "is a symbolic link (to /dev/zero), which root does not follow"})
+    assert plugin.describe(refused, None, True, True) == ("heartbeat not read (not a plain file of the trainer's); log is a "
+                                                          "symbolic link (to /dev/zero), which root does not follow: not read")
+    invalid = plugin.parse_progress({"heartbeat": {"step": "7"}, "heartbeat_error": "h: invalid heartbeat: it is ..."})
+    assert plugin.describe(invalid, None, False, True) == "invalid heartbeat"
+    assert plugin.describe(plugin.parse_progress({"size": 3, "line": "a\x1b[2Jb\n"}), None, True, False) == \
+        "log 3 B: a\\x1b[2Jb\\x0a"  # the controller's own guard
 
 
 def test_a_line_shows_pips_newest_line_without_its_timestamp_and_the_growth():
     plugin = _load_wait_plugin()
-    out = "2048\n2026-12-04T01:10:00,123   Downloading tokenizers-0.22.1-cp39-abi3-manylinux.whl (3.3 MB)\n"
-    progress = plugin.parse_progress(out, heartbeat=False)
+    line = "2026-12-04T01:10:00,123   Downloading tokenizers-0.22.1-cp39-abi3-manylinux.whl (3.3 MB)"
+    progress = plugin.parse_progress({"size": 2048, "line": line, "heartbeat": None})
     assert progress["size"] == 2048
     text = plugin.describe(progress, 1024, True, False)
     assert text == "log 2.0 kB, +1.0 kB: Downloading tokenizers-0.22.1-cp39-abi3-manylinux.whl (3.3 MB)"
-    # a heartbeat being replaced reads as none this time, not as an error
-    torn = plugin.parse_progress(f"10\nstep 3\n{plugin.MARK}\n{{\"step\": 3, \"sta", heartbeat=True)
-    assert torn["heartbeat"] is None and torn["line"] == "step 3"
 
 
-def test_the_progress_command_reads_the_newest_matching_line(tmp_path):
-    import subprocess
+def test_the_progress_reader_reads_the_newest_matching_line(tmp_path):
+    from ansible.module_utils.dflash_untrusted import newest_line
 
-    plugin = _load_wait_plugin()
     log = tmp_path / "pip's log"  # a path with a quote and a space
     log.write_text("2026-12-04T01:10:00,1 Collecting a\n2026-12-04T01:10:01,1 Created temporary directory\n"
                    "2026-12-04T01:10:02,1   Downloading a-1.whl (1 kB)\r 50%\n2026-12-04T01:10:03,1 Looking up b\n")
     pattern = r"^\S+ +(Collecting|Downloading)"
-    out = subprocess.run(["sh", "-c", plugin.progress_command(str(log), pattern, str(tmp_path / "missing.json"))],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
-    progress = plugin.parse_progress(out, heartbeat=True)
-    assert progress["size"] == log.stat().st_size and progress["heartbeat"] is None
-    assert progress["line"] == "2026-12-04T01:10:02,1   Downloading a-1.whl (1 kB)"
+    assert newest_line(str(log), pattern) == (log.stat().st_size, "2026-12-04T01:10:02,1   Downloading a-1.whl (1 kB)")
+    assert newest_line(str(tmp_path / "missing.log"), pattern) == (None, None)
+    assert newest_line(str(log), "^nothing") == (log.stat().st_size, None)
 
 
 # --- the roles' long tasks run in the background, each waited for by dflash_wait ---------------------------------
