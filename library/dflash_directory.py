@@ -78,9 +78,10 @@ import pwd
 import stat
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.dflash_host import READ_LIMIT, UnsafeFile, file_kind, open_directory_nofollow
+from ansible.module_utils.dflash_host import UnsafeFile, file_kind, open_directory_nofollow, printable
 
 PROBE = ".shared-storage-probe"
+PROBE_LIMIT = 4096  # a deploy's token: read no more of it
 FIX = ("root does not follow it. Remove it (a real directory is created in its place) or point the variable at a "
        "real directory, then run again")
 
@@ -93,9 +94,14 @@ def _read_probe(dir_fd):
     except OSError as exc:
         raise UnsafeFile(f"{PROBE} cannot be read ({exc.strerror}): it must be a plain file") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise UnsafeFile(f"{PROBE} is not a regular file")
-        return os.read(fd, READ_LIMIT).decode("utf-8", "replace")
+        if st.st_nlink > 1:
+            raise UnsafeFile(f"{PROBE} has {st.st_nlink} hard links, which root does not read")
+        text = os.read(fd, PROBE_LIMIT).decode("utf-8", "replace")
+        # compared with node 0's token (one line); what else the trainer may have put there is escaped
+        return printable(text.removesuffix("\n")) + ("\n" if text.endswith("\n") else "")
     finally:
         os.close(fd)
 

@@ -23,7 +23,7 @@ ESC = "\x1b[2J\x1b[H"
 KINDS = ("fifo", "dev-zero", "root-only", "sparse", "hard-link", "wrong-types", "deep", "deep-small", "escapes")
 # Every path the trainer can write that root reads (relative to the run directory), and how root reads it.
 JSON_PATHS = ("heartbeat.json", "nodes/node-0.json")
-TEXT_PATHS = ("checkpoints/latest", "stacks/rank-0.txt")
+TEXT_PATHS = ("checkpoints/latest", "stacks/rank-0.txt", ".shared-storage-probe")
 # The job's log: root's unit appends the trainer's output to it (its directory is root's); its text is the trainer's.
 LOG = "log/job.log"
 
@@ -59,6 +59,8 @@ def _content(kind: str, rel: str, pid: int) -> str:
                            "error": f"lost{ESC}\n{FORGED}", "nodes": {"0": f"n0{ESC}", "1": "n1\x07"}})  # fmt: skip
     if rel == "checkpoints/latest":
         return f"checkpoint-{ESC}7\n{FORGED}\n"
+    if rel == ".shared-storage-probe":
+        return f"token{ESC}\n"
     if rel.startswith("stacks/"):
         return (f"# dflash stacks: rank 0 pid {pid} started x ({int(now)})\nThread 0x00007f00 (most recent call first):\n"
                 f'  File "/x/evil{ESC}.py", line 3 in stuck\x1b]0;pwned\x07\n  File "/x/main.py", line 9 in <module>\n')
@@ -90,7 +92,7 @@ def plant(base: Path, name: str, kinds: dict[str, str] | None = None, pid: int |
     root = base / name
     run = root / "run"
     for rel in (*JSON_PATHS, *TEXT_PATHS, LOG):
-        kind = (kinds or {}).get(rel, name)
+        kind = kinds.get(rel, "escapes") if kinds else name
         where = (root if rel == LOG else run) / rel
         where.parent.mkdir(parents=True, exist_ok=True)
         if kind == "fifo":
@@ -170,6 +172,8 @@ def run_modules(root: Path, planted: dict, unit_pid: int, limit_s: int) -> dict:
             "dflash_logs (follow)": (_module, library / "dflash_logs.py", {"path": paths["log"], "offset": 0}),
             "dflash_progress": (_module, library / "dflash_progress.py", {"log": paths["log"], "heartbeat": paths["heartbeat"]}),
             "dflash_unit (crash report)": (crash_loop_message, {"name": "hostile", "log_path": paths["log"]}, {"restarts": 3}),
+            "dflash_directory (probe)": (_module, library / "dflash_directory.py",
+                                         {"path": paths["run"], "read_probe": True, "_ansible_check_mode": True}),
         }  # fmt: skip
         out[kind] = {}
         for name, (call, *call_args) in calls.items():
