@@ -14,8 +14,8 @@ it imports nothing outside the standard library. OPTIONS_FILE (root's, 0600, in 
 directory: the hook's arguments never appear in this process's argv) holds JSON: name, state_dir, uid, gid,
 user (null = no change), workdir, token (the job's DFLASH_UNIT_ID marker), restart {policy, delay, burst,
 interval, never (exit codes never restarted), once (exit codes restarted at most once)}, classes (exit code ->
-failure class), watchdog {interval, start_interval}, on_failure (argv or null). The first start's pid goes through
-PIPE_FD.
+failure class), watchdog {interval, start_interval}, on_failure (argv or null), environment (the job's: this process
+runs in root's own environment, the job in this one). The first start's pid goes through PIPE_FD.
 
 The watchdog socket is abstract (any local account could name it), so every datagram carries its sender's
 credentials (SO_PASSCRED, checked by the kernel): only root and the job's own uid are heard; anything else is
@@ -24,6 +24,7 @@ dropped, with one line in the job's log per sender uid.
 
 import json
 import os
+import pwd
 import select
 import signal
 import socket
@@ -38,6 +39,8 @@ NO_RESTART_EXIT_STATUS = (2,)
 STACKS_WAIT_S = 2.0
 # struct ucred: pid, uid, gid
 UCRED = struct.Struct("iII")
+# The PATH of what runs as root here (the failure hook): system directories only.
+SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def proc_starttime(pid):
@@ -60,6 +63,9 @@ def atomic_write(path, text, mode=0o600):
 
 
 def spawn(cmd, options, notify_address, pipe_fd):
+    # The job's environment comes from the options (root's file); this process runs in root's own. A supervisor of
+    # an earlier release (no `environment` there) still carries it.
+    env = dict(os.environ if options.get("environment") is None else options["environment"])
     pid = os.fork()
     if pid == 0:
         try:
@@ -73,10 +79,10 @@ def spawn(cmd, options, notify_address, pipe_fd):
                 os.setgid(int(options["gid"]))
                 os.setuid(int(options["uid"]))
             os.chdir(options["workdir"])
-            os.environ["DFLASH_UNIT_ID"] = options["token"]
+            env["DFLASH_UNIT_ID"] = options["token"]
             if notify_address:
-                os.environ["NOTIFY_SOCKET"] = notify_address
-            os.execvp(cmd[0], cmd)
+                env["NOTIFY_SOCKET"] = notify_address
+            os.execvpe(cmd[0], cmd, env)
         except BaseException as exc:  # noqa: BLE001 - anything: report it in the job's log
             sys.stderr.write(f"dflash-unit: cannot run {cmd[0]!r}: {exc}\n")
             sys.stderr.flush()
@@ -246,15 +252,26 @@ def class_of(code, options):
     return (options.get("classes") or {}).get(str(code), "unknown")
 
 
+def hook_environment(options, words, result, failure_class=None):
+    """The failure hook's environment: root's (a fixed PATH of system directories, this account's HOME) and the
+    documented DFLASH_JOB, DFLASH_REASON, DFLASH_FAILURE_CLASS; nothing of the job's (its HOME is the trainer's, where
+    a .curlrc or a Python .pth would act as root)."""
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir or "/"
+    except KeyError:
+        home = "/"
+    return {"PATH": SYSTEM_PATH, "HOME": home, "LANG": "C.UTF-8", "DFLASH_JOB": options["name"],
+            "DFLASH_REASON": f"{result}: {words}", "DFLASH_FAILURE_CLASS": failure_class or ""}
+
+
 def run_hook(options, words, result, failure_class=None):
-    """Restarts exhausted (or refused by the policy of the failure class): the operator's command, with the job's
-    name, the reason and the failure class in its environment."""
+    """Restarts exhausted (or refused by the policy of the failure class): the operator's command, in root's
+    environment with the job's name, the reason and the failure class (hook_environment)."""
     with open(os.path.join(options["state_dir"], "failed"), "w") as handle:
         handle.write(f"{result}: {words}\n")
     if not options.get("on_failure"):
         return
-    env = dict(os.environ, DFLASH_JOB=options["name"], DFLASH_REASON=f"{result}: {words}",
-               DFLASH_FAILURE_CLASS=failure_class or "")
+    env = hook_environment(options, words, result, failure_class)
     pid = os.fork()
     if pid == 0:
         try:

@@ -63,6 +63,13 @@ def build_daemon_environment(spec, pw):
     return env
 
 
+def supervisor_environment():
+    """The supervisor's own environment (it runs as root): a fixed PATH of system directories, root's HOME; the job's
+    environment goes to it through the options file, never as its own (a failure hook it runs would inherit it)."""
+    home = pwd.getpwuid(os.getuid()).pw_dir or "/"
+    return {"PATH": dflash_supervisor.SYSTEM_PATH, "HOME": home, "LANG": "C.UTF-8"}
+
+
 def _user_entry(user):
     if not user:
         return pwd.getpwuid(os.getuid())
@@ -149,10 +156,10 @@ class DaemonBackend:
             "uid": pw.pw_uid, "gid": pw.pw_gid, "user": pw.pw_name if drop else None,
             "restart": supervisor_restart(spec.get("restart") or {"policy": "no"}), "watchdog": spec.get("watchdog") or {},
             "classes": {str(code): cls for cls, code in EXIT_CODES.items()},
-            "on_failure": spec.get("on_failure") or None,
+            "on_failure": spec.get("on_failure") or None, "environment": env,
         }  # fmt: skip
-        # The options (the failure hook's arguments among them) go through a root-only file, never argv:
-        # anyone can read a process's command line.
+        # The options (the failure hook's arguments and the job's environment among them) go through a root-only
+        # file, never argv: anyone can read a process's command line.
         options_file = os.path.join(state_dir, SUPERVISOR_OPTIONS)
         self.host.atomic_write(options_file, json.dumps(options) + "\n", mode=0o600)
         read_fd, write_fd = os.pipe()
@@ -164,7 +171,7 @@ class DaemonBackend:
                 os.close(read_fd)
                 os.setsid()
                 if os.fork() == 0:
-                    _exec_supervisor(argv, env, spec["log_path"], write_fd)
+                    _exec_supervisor(argv, supervisor_environment(), spec["log_path"], write_fd)
             finally:
                 os._exit(0)
         os.close(write_fd)

@@ -56,22 +56,46 @@ FAILURE_CLASS_CASE = (
 # unit `failed` with its exit status, and OnFailure= runs; --no-block, or the stop would wait for this script. The
 # script waits (at most 10 s) until that job runs: queued only, it would meet the unit in `auto-restart`, whose
 # stop leaves it inactive, without the failure hook. One line in the job's log (the unit's stdout) says why.
-ONCE_SCRIPT = (
-    'if [ "$EXIT_CODE" = exited ] && [ -n "$1" ]; then for o in $2; do '
-    'if [ "$o" = "$EXIT_STATUS" ] && [ "$(grep -c " exited $o\\$" "$0/events")" -ge 2 ]; then '
-    'echo "dflash-unit: $c (exit $o) ended the job again since its launch: not restarted (restart policy once)"; '
-    'systemctl stop --no-block "$1"; i=0; '
-    'while [ "$i" -lt 100 ] && ! systemctl list-jobs --no-legend "$1" 2>/dev/null | grep -q " running"; '
-    'do sleep 0.1; i=$((i + 1)); done; '
-    "fi; done; fi"
-)
-RECORD_EXIT_SCRIPT = (
-    'echo "$EXIT_CODE $EXIT_STATUS" > "$0/exit_status"; '
-    'echo "$(date +%s) $SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" >> "$0/events"; '
-    + FAILURE_CLASS_CASE
-    + 'echo "DFLASH_REASON=$SERVICE_RESULT: $EXIT_CODE $EXIT_STATUS" > "$0/reason.env"; '
-    'echo "DFLASH_FAILURE_CLASS=$c" >> "$0/reason.env"; '
-    + ONCE_SCRIPT
+# Every command by its absolute path (the unit's PATH is the job's): /bin/ is the same on merged and split /usr.
+SYSTEMCTL, DATE, GREP, SLEEP = "/bin/systemctl", "/bin/date", "/bin/grep", "/bin/sleep"
+
+
+def once_script(systemctl=SYSTEMCTL):
+    return (
+        'if [ "$EXIT_CODE" = exited ] && [ -n "$1" ]; then for o in $2; do '
+        f'if [ "$o" = "$EXIT_STATUS" ] && [ "$({GREP} -c " exited $o\\$" "$0/events")" -ge 2 ]; then '
+        'echo "dflash-unit: $c (exit $o) ended the job again since its launch: not restarted (restart policy once)"; '
+        f'{systemctl} stop --no-block "$1"; i=0; '
+        f'while [ "$i" -lt 100 ] && ! {systemctl} list-jobs --no-legend "$1" 2>/dev/null | {GREP} -q " running"; '
+        f'do {SLEEP} 0.1; i=$((i + 1)); done; '
+        "fi; done; fi"
+    )
+
+
+def record_exit_script(systemctl=SYSTEMCTL):
+    """The recorder's script (run as root; ``systemctl``: a test points it at a double)."""
+    return (
+        'echo "$EXIT_CODE $EXIT_STATUS" > "$0/exit_status"; '
+        f'echo "$({DATE} +%s) $SERVICE_RESULT $EXIT_CODE $EXIT_STATUS" >> "$0/events"; '
+        + FAILURE_CLASS_CASE
+        + 'echo "DFLASH_REASON=$SERVICE_RESULT: $EXIT_CODE $EXIT_STATUS" > "$0/reason.env"; '
+        'echo "DFLASH_FAILURE_CLASS=$c" >> "$0/reason.env"; '
+        + once_script(systemctl)
+    )
+
+
+RECORD_EXIT_SCRIPT = record_exit_script()
+# Root's environment for what runs as root on the job's behalf (the recorder, the failure hook): a fixed PATH of
+# system directories, root's HOME, and the documented DFLASH_* variables only - never the job's environment (its HOME
+# is the trainer's: a .curlrc or a Python .pth there would act as root).
+SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+ROOT_ENVIRONMENT = {"PATH": SYSTEM_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
+# systemd runs ExecStopPost= in the unit's environment (the job's): the recorder starts by running its script again
+# under `env -i` with root's environment and the three variables systemd gives it ($3 is the script, $0-$2 its
+# arguments).
+CLEAN_RECORDER = (
+    "exec /usr/bin/env -i " + " ".join(f"{k}={v}" for k, v in ROOT_ENVIRONMENT.items())
+    + ' EXIT_CODE="$EXIT_CODE" EXIT_STATUS="$EXIT_STATUS" SERVICE_RESULT="$SERVICE_RESULT" /bin/sh -c "$3" "$0" "$1" "$2"'
 )
 
 
@@ -178,14 +202,15 @@ def record_dropin_text(spec):
     """The drop-in that records every end of the job. A drop-in, not a property of the transient unit: systemd 252
     writes a transient unit's ``ExecStopPost=+...`` back as ``ExecStopPostEx=``, which it does not read, so a
     ``daemon-reload`` would drop the recorder; drop-ins of /run/systemd/system are read again at every reload.
-    ``-``: a failed recorder never turns a clean end into a failure."""
+    ``-``: a failed recorder never turns a clean end into a failure. It runs its script in root's environment
+    (CLEAN_RECORDER), never the job's."""
     script = RECORD_EXIT_SCRIPT.replace("%", "%%")
     once = " ".join(str(code) for code in once_exit_status(spec.get("restart") or {}))
     return (
         "# Written by dflash_unit: records every end of " + unit_name(spec["name"]) + "\n"
         "[Service]\n"
-        f"ExecStopPost=-+/bin/sh -c {systemd_quote(script)} {systemd_quote(spec['state_dir'])} "
-        f"{systemd_quote(unit_name(spec['name']))} {systemd_quote(once)}\n"
+        f"ExecStopPost=-+/bin/sh -c {systemd_quote(CLEAN_RECORDER)} {systemd_quote(spec['state_dir'])} "
+        f"{systemd_quote(unit_name(spec['name']))} {systemd_quote(once)} {systemd_quote(script)}\n"
     )
 
 
@@ -293,7 +318,9 @@ def hook_unit_text(spec):
         f"Description=dflash job {spec['name']}: restarts exhausted, run the failure hook\n"
         "[Service]\n"
         "Type=oneshot\n"
-        f"Environment=DFLASH_JOB={spec['name']}\n"
+        # root's environment, stated (systemd gives a hook unit its own, never the job's)
+        + "".join(f"Environment={k}={v}\n" for k, v in ROOT_ENVIRONMENT.items())
+        + f"Environment=DFLASH_JOB={spec['name']}\n"
         f"EnvironmentFile=-{os.path.join(spec['state_dir'], 'reason.env')}\n"
         f"StandardOutput=append:{spec['log_path']}\n"
         f"StandardError=append:{spec['log_path']}\n"

@@ -15,7 +15,12 @@ from ansible.module_utils.dflash_health import failure_class
 from ansible.module_utils.dflash_host import LocalHost
 from ansible.module_utils.dflash_unit_daemon import DaemonBackend
 from ansible.module_utils.dflash_unit_spec import parse_environment_file
-from ansible.module_utils.dflash_unit_systemd import RECORD_EXIT_SCRIPT, record_dropin_text, systemd_run_args
+from ansible.module_utils.dflash_unit_systemd import (
+    RECORD_EXIT_SCRIPT,
+    record_dropin_text,
+    record_exit_script,
+    systemd_run_args,
+)
 from conftest import ROOT, tool
 from test_ansible_unit_selfheal import supervisor_gone, wait_for
 
@@ -169,9 +174,9 @@ exit 0
 
 def _end(state, bin_dir, code, status, once="4", unit="j.service"):
     """One end of the unit as systemd reports it to ExecStopPost's script, with the drop-in's arguments."""
-    env = {"EXIT_CODE": code, "EXIT_STATUS": status, "SERVICE_RESULT": "exit-code", "PATH": f"{bin_dir}:/usr/bin:/bin",
-           "FAKE_CALLS": str(bin_dir / "calls")}
-    out = subprocess.run(["/bin/sh", "-c", RECORD_EXIT_SCRIPT, str(state), unit, once], env=env, check=True,
+    env = {"EXIT_CODE": code, "EXIT_STATUS": status, "SERVICE_RESULT": "exit-code", "FAKE_CALLS": str(bin_dir / "calls")}
+    script = record_exit_script(systemctl=str(bin_dir / "systemctl"))  # systemctl by its path: the double's here
+    out = subprocess.run(["/bin/sh", "-c", script, str(state), unit, once], env=env, check=True,
                          capture_output=True, text=True, timeout=60).stdout
     calls = (bin_dir / "calls").read_text().splitlines() if (bin_dir / "calls").exists() else []
     return out, calls
@@ -203,12 +208,19 @@ def test_the_systemd_recorder_stops_the_unit_at_the_second_end_of_a_once_class(t
     assert _end(state, bin_dir, "exited", "5", once="4 5")[1][0] == "stop --no-block j.service"
 
 
+def _recorder_args(spec):
+    """The drop-in's ExecStopPost= as the words systemd runs: /bin/sh -c CLEAN_RECORDER STATE UNIT ONCE SCRIPT."""
+    import shlex
+
+    return shlex.split(record_dropin_text(spec).splitlines()[-1].removeprefix("ExecStopPost=-+"))
+
+
 def test_the_recorder_drop_in_gives_the_unit_and_the_once_codes():
     spec = {"name": "j", "command": ["/bin/true"], "log_path": "/var/log/j.log", "state_dir": "/var/lib/dflash-units/j",
             "restart": {"policy": "on-failure", "delay": 5, "burst": 3, "interval": 300}}
-    line = record_dropin_text(spec).splitlines()[-1]
-    assert line.endswith('"/var/lib/dflash-units/j" "j.service" "4"'), line
+    assert _recorder_args(spec)[3:6] == ["/var/lib/dflash-units/j", "j.service", "4"]
     spec["restart"]["classes"] = restart_policy({"cuda_oom": "never", "collective_timeout": "once", "unknown": "once"})
-    assert record_dropin_text(spec).splitlines()[-1].endswith('"j.service" "1 5"')
+    assert _recorder_args(spec)[3:6] == ["/var/lib/dflash-units/j", "j.service", "1 5"]
     spec["restart"] = {"policy": "no"}
-    assert record_dropin_text(spec).splitlines()[-1].endswith('"j.service" ""')
+    assert _recorder_args(spec)[3:6] == ["/var/lib/dflash-units/j", "j.service", ""]
+    assert _recorder_args(spec)[6] == RECORD_EXIT_SCRIPT.replace("%", "%%")

@@ -455,3 +455,76 @@ def test_a_component_made_between_the_check_and_mkdir_is_taken_as_found(tmp_path
         with pytest.raises(dflash_host.UnsafeFile, match=r"run is a symbolic link owned by"):
             dflash_host.open_directory_nofollow(str(shared / "run" / "logs"), create=True)
         assert not (target / "logs").exists()
+
+
+# --- what runs as root on the job's behalf runs in root's environment -----------------------------------------
+
+ROOT_VARIABLES = {"PATH", "HOME", "LANG", "PWD", "SHLVL", "_"}  # what a shell adds of its own: PWD, SHLVL, _
+
+
+def _trainers_home(tmp_path):
+    """A home of the trainer's with a Python .pth in its user site and a ~/.curlrc, both writing a marker when read."""
+    home = tmp_path / "trainer-home"
+    site = home / ".local" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "evil.pth").write_text(f"import os; open({str(tmp_path / 'PWNED-pth')!r}, 'w').close()\n")
+    (home / ".curlrc").write_text(f'output = "{tmp_path / "PWNED-curl"}"\n')
+    return home
+
+
+@pytest.mark.skipif(not os.access("/usr/bin/python3", os.X_OK), reason="needs the system's python3 (a user site)")
+def test_the_daemons_failure_hook_and_supervisor_run_in_roots_environment(daemon, tmp_path):
+    """The job's environment (its HOME the trainer's, a PATH and PYTHONPATH of its choice) is the job's only: the
+    supervisor and the failure hook (exit 3, data_error: never restarted, the hook runs at once) get root's, so a
+    trainer-planted .pth or ~/.curlrc does nothing as root."""
+    backend, make = daemon
+    home = _trainers_home(tmp_path)
+    (tmp_path / "bin").mkdir()
+    hook = ["/bin/sh", "-c", "curl -s file:///dev/null; /usr/bin/python3 -c 'import os; print(\"HOOK-ENV\", sorted(os.environ))'"]
+    spec = make(["/bin/sh", "-c", "sleep 0.5; exit 3"], on_failure=hook,
+                environment={"HOME": str(home), "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "MARKER": "job-env",
+                             "PYTHONPATH": str(tmp_path)},
+                restart={"policy": "on-failure", "delay": 1, "burst": 3, "interval": 60})  # fmt: skip
+    backend.start(spec)
+    supervisor = json.loads(open(os.path.join(spec["state_dir"], "pid")).read())["supervisor_pid"]
+    with open(f"/proc/{supervisor}/environ", "rb") as handle:
+        env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+    assert set(env) == {b"PATH", b"HOME", b"LANG"} and env[b"HOME"] != str(home).encode(), env
+    assert wait_for(lambda: "HOOK-ENV" in open(spec["log_path"]).read(), timeout=60), open(spec["log_path"]).read()
+    line = next(line for line in open(spec["log_path"]).read().splitlines() if line.startswith("HOOK-ENV"))
+    assert set(eval(line.split(" ", 1)[1])) <= ROOT_VARIABLES | {"DFLASH_JOB", "DFLASH_REASON", "DFLASH_FAILURE_CLASS"}
+    assert not (tmp_path / "PWNED-pth").exists() and not (tmp_path / "PWNED-curl").exists()
+
+
+def test_the_systemd_recorder_and_hook_run_in_roots_environment(tmp_path):
+    """ExecStopPost= runs in the unit's environment (the job's): the recorder runs its script again under env -i in
+    root's, every command by its absolute path, so a PATH of the trainer's (a `date` there) runs nothing."""
+    import shlex
+
+    from ansible.module_utils.dflash_unit_systemd import hook_unit_text, record_dropin_text
+
+    state, evil = tmp_path / "state", tmp_path / "evil-bin"
+    state.mkdir()
+    evil.mkdir()
+    for name in ("date", "grep", "systemctl", "env", "sh"):
+        (evil / name).write_text(f"#!/bin/sh\ntouch {tmp_path / 'PWNED'}-{name}\n")
+        (evil / name).chmod(0o755)
+    spec = {"name": "j", "command": ["/bin/true"], "log_path": str(tmp_path / "j.log"), "state_dir": str(state),
+            "restart": {"policy": "on-failure"}, "on_failure": ["/usr/local/bin/notify"]}  # fmt: skip
+    argv = shlex.split(record_dropin_text(spec).splitlines()[-1].removeprefix("ExecStopPost=-+").replace("%%", "%"))
+    job_env = {"PATH": str(evil), "HOME": str(_trainers_home(tmp_path)), "MARKER": "job-env", "EXIT_CODE": "exited",
+               "EXIT_STATUS": "4", "SERVICE_RESULT": "exit-code"}  # fmt: skip
+    subprocess.run(argv, env=job_env, check=True, timeout=60, capture_output=True)
+    assert (state / "exit_status").read_text() == "exited 4\n"
+    assert (state / "events").read_text().split()[1:] == ["exit-code", "exited", "4"]  # the date by /bin/date
+    assert not list(tmp_path.glob("PWNED*")), list(tmp_path.glob("PWNED*"))
+    # what the script sees: root's environment and systemd's three variables, nothing of the job's
+    probe = argv[:6] + [f'env > "{tmp_path}/env"']
+    subprocess.run(probe, env=job_env, check=True, timeout=60)
+    seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines())
+    assert set(seen) <= ROOT_VARIABLES | {"EXIT_CODE", "EXIT_STATUS", "SERVICE_RESULT"}, seen
+    assert seen["PATH"] == "/usr/sbin:/usr/bin:/sbin:/bin" and seen["HOME"] == "/root"
+    # the hook unit: root's environment stated, the documented DFLASH_* variables, no environment file of the job's
+    hook = hook_unit_text(spec)
+    assert "Environment=PATH=/usr/sbin:/usr/bin:/sbin:/bin\nEnvironment=HOME=/root\n" in hook
+    assert [line for line in hook.splitlines() if line.startswith("EnvironmentFile=")] == [f"EnvironmentFile=-{state}/reason.env"]

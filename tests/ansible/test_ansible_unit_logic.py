@@ -6,6 +6,7 @@ import pytest
 from ansible.module_utils.dflash_unit import ensure, resolve_backend
 from ansible.module_utils.dflash_unit_spec import UnitError, config_hash, parse_environment_file, plan_action
 from ansible.module_utils.dflash_unit_systemd import (
+    CLEAN_RECORDER,
     RECORD_EXIT_SCRIPT,
     parse_systemctl_show,
     record_dropin_text,
@@ -94,11 +95,12 @@ def test_systemd_run_command_line():
     assert "--collect" not in systemd_run_args(spec)
     # the exit recorder is a drop-in, not a property of the transient unit (systemd 252 loses that at a reload)
     assert not any(word.startswith("ExecStopPost") for word in systemd_run_args(spec))
+    quoted = [word.replace("\\", "\\\\").replace('"', '\\"') for word in (CLEAN_RECORDER, RECORD_EXIT_SCRIPT.replace("%", "%%"))]
     assert record_dropin_text(spec).splitlines()[1:] == [
         "[Service]",
-        'ExecStopPost=-+/bin/sh -c "' + RECORD_EXIT_SCRIPT.replace("%", "%%").replace("\\", "\\\\").replace('"', '\\"')
-        # the state directory ($0), the unit ($1) and the exit codes restarted at most once ($2: cuda_oom's)
-        + '" "/var/lib/dflash-units/dflash-train" "dflash-train.service" "4"',
+        # in root's environment (CLEAN_RECORDER runs the script under env -i): the state directory ($0), the unit ($1),
+        # the exit codes restarted at most once ($2: cuda_oom's) and the script ($3)
+        f'ExecStopPost=-+/bin/sh -c "{quoted[0]}" "/var/lib/dflash-units/dflash-train" "dflash-train.service" "4" "{quoted[1]}"',
     ]
     # no environment value on the command line (it is world-readable in /proc)
     assert not any("b c" in word or "/opt/dflash/current" in word for word in systemd_run_args(spec))

@@ -23,6 +23,7 @@ from ansible.module_utils.dflash_unit_spec import (
     parse_environment_file,
 )
 from ansible.module_utils.dflash_unit_systemd import (
+    CLEAN_RECORDER,
     RECORD_EXIT_SCRIPT,
     SystemdBackend,
     record_dropin_text,
@@ -49,9 +50,10 @@ def test_plain_job_names_pass():
 def test_the_exit_recorder_is_a_fixed_script_and_the_directory_only_its_argument(tmp_path):
     spec = {"name": "j", "command": ["/bin/true"], "log_path": "/var/log/j.log", "state_dir": str(tmp_path / "state")}
     post = next(line for line in record_dropin_text(spec).splitlines() if line.startswith("ExecStopPost="))
-    script = RECORD_EXIT_SCRIPT.replace("%", "%%").replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))
+    script, clean = (text.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))
+                     for text in (RECORD_EXIT_SCRIPT.replace("%", "%%"), CLEAN_RECORDER))
     # the state directory, the unit's name and the exit codes restarted at most once (none: no restarts) as arguments
-    assert post == f'ExecStopPost=-+/bin/sh -c "{script}" "{tmp_path}/state" "j.service" ""'
+    assert post == f'ExecStopPost=-+/bin/sh -c "{clean}" "{tmp_path}/state" "j.service" "" "{script}"'
     # the script run the way systemd runs it: the directory is data ($0), whatever it holds
     odd = tmp_path / "we;ird $(touch pwned)"
     odd.mkdir()
