@@ -68,7 +68,7 @@ MODULES = sorted(p.stem for p in (ROOT / "library").glob("dflash_*.py"))
 
 
 def test_module_docs_render_and_match_the_argument_spec(ansible_env):
-    assert MODULES == ["dflash_directory", "dflash_gpu_facts", "dflash_health", "dflash_inventory_check", "dflash_lock", "dflash_logs",
+    assert MODULES == ["dflash_check", "dflash_directory", "dflash_gpu_facts", "dflash_health", "dflash_inventory_check", "dflash_lock", "dflash_logs",
                        "dflash_pct_conf", "dflash_progress", "dflash_sync", "dflash_unit"]
     proc = subprocess.run([tool("ansible-doc"), "-t", "module", "-M", "library", "--json", *MODULES], cwd=ROOT, env=ansible_env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
