@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import stat
 import time
 from contextlib import contextmanager
 
@@ -109,14 +110,52 @@ class ConfigLocked(Exception):
     """The container's config is locked: PVE's flock is held, or the config has a ``lock:`` line."""
 
 
+class UnsafeLock(ConfigLocked):
+    """The lock directory or file is not root's own: another account could hold the lock or point it elsewhere."""
+
+
+def _check_owned(path: str, st: os.stat_result, what: str) -> None:
+    """``path`` is this account's (root's) and no other account may write it (a sticky directory excepted)."""
+    if st.st_uid != os.getuid():
+        raise UnsafeLock(f"{what} {path} is owned by uid {st.st_uid}, not root: another account could hold or replace "
+                         "PVE's config lock; nothing was changed. Remove it (PVE creates it again)")
+    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+        raise UnsafeLock(f"{what} {path} is writable by other accounts (mode {stat.S_IMODE(st.st_mode):o}): nothing "
+                         "was changed. Make it root's alone (chmod go-w)")
+
+
+def open_lock(lock_dir: str, vmid: str) -> tuple[int, str]:
+    """``(fd, path)`` of PVE's lock file, opened as PVE does (``>>``, created 0644) without following a link or
+    waiting on a FIFO there, in a directory that is root's and a file that is root's (UnsafeLock otherwise)."""
+    os.makedirs(lock_dir, exist_ok=True)
+    st = os.lstat(lock_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeLock(f"the lock directory {lock_dir} is not a directory (a link or a file): nothing was changed")
+    _check_owned(lock_dir, st, "the lock directory")
+    path = os.path.join(lock_dir, f"pve-config-{vmid}.lock")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise UnsafeLock(f"the lock file {path} cannot be opened as a plain file ({exc.strerror}: a link?): nothing "
+                         "was changed") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeLock(f"the lock file {path} is not a regular file: nothing was changed")
+        _check_owned(path, st, "the lock file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, path
+
+
 @contextmanager
 def config_lock(vmid: str, timeout: float, lock_dir: str = LOCK_DIR, sleep=time.sleep, clock=time.monotonic):
     """Hold PVE's per-container config lock (``LOCK_DIR/pve-config-VMID.lock``, the flock that
     ``PVE::LXC::Config->lock_config`` takes around every read-modify-write of the config), waiting up to
-    `timeout` seconds for a backup, a GUI edit or a ``pct`` command that holds it."""
-    os.makedirs(lock_dir, exist_ok=True)
-    path = os.path.join(lock_dir, f"pve-config-{vmid}.lock")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # PVE opens it ">>"
+    `timeout` seconds for a backup, a GUI edit or a ``pct`` command that holds it. The file is opened by
+    ``open_lock``: no link, no FIFO, root's."""
+    fd, path = open_lock(lock_dir, vmid)
     try:
         deadline = clock() + timeout
         while True:

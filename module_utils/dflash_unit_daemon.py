@@ -18,10 +18,11 @@ import uuid
 
 from ansible.module_utils import dflash_supervisor
 from ansible.module_utils.dflash_failures import EXIT_CODES, codes_with
-from ansible.module_utils.dflash_host import file_kind, read_text
+from ansible.module_utils.dflash_host import read_text
 from ansible.module_utils.dflash_unit_procs import job_processes, pid_alive, proc_stat
 from ansible.module_utils.dflash_unit_records import (
     add_restart_facts,
+    check_log_path,
     empty_status,
     make_state_dir,
     read_exit_status,
@@ -139,11 +140,11 @@ class DaemonBackend:
     def start(self, spec):
         pw = _user_entry(spec.get("user"))
         state_dir = spec["state_dir"]
-        make_state_dir(state_dir)
         log_dir = os.path.dirname(spec["log_path"])
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        check_log_path(spec["log_path"])
+        check_log_path(spec["log_path"])  # before anything is written
+        make_state_dir(state_dir)
         remove_files(state_dir, ("exit_status", "events", "reason.env", "stopping", "failed"))
         token = uuid.uuid4().hex
         env = build_daemon_environment(spec, pw)
@@ -220,18 +221,6 @@ def supervisor_restart(restart):
     restart policy per failure class (module_utils/dflash_failures.py)."""
     never = sorted(set(dflash_supervisor.NO_RESTART_EXIT_STATUS) | set(codes_with(restart.get("classes"), "never")))
     return {**restart, "never": never, "once": codes_with(restart.get("classes"), "once")}
-
-
-def check_log_path(path):
-    """Root appends the job's output to ``path``: refuse a link, a FIFO or a device there (root would write
-    through it), naming what it is."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(st.st_mode):
-        raise UnitError(f"log_path {path} is not a regular file ({file_kind(st.st_mode)}): root appends the job's "
-                        "output there and does not write through it; remove it or choose another log_path")
 
 
 def _exec_supervisor(argv, env, log_path, pipe_fd):

@@ -11,7 +11,7 @@ import signal
 import stat as stat_module
 
 from ansible.module_utils.dflash_failures import class_of_exit
-from ansible.module_utils.dflash_host import read_text
+from ansible.module_utils.dflash_host import UnsafeFile, file_kind, open_directory_nofollow, read_text
 from ansible.module_utils.dflash_unit_spec import DEFAULT_STATE_ROOT, UnitError
 
 RUNNING_STATES = ("active", "activating", "deactivating", "reloading")
@@ -47,6 +47,41 @@ def check_root_owned(path):
         if parent == current:
             return
         current = parent
+
+
+def check_log_path(path):
+    """Root's unit appends the job's output to ``path`` (systemd's ``StandardOutput=append:`` follows a link; the
+    daemon's supervisor opens it as root): its directory must be root's, reached through no link of another
+    account and writable by no other account (else the trainer could put a link there), and the file, when it
+    exists, a regular file with one link. Both backends check it before every start."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, _created = open_directory_nofollow(directory)
+    except FileNotFoundError:
+        return  # created by the backend's start, root's
+    except UnsafeFile as exc:
+        raise UnitError(f"log_path {path}: {exc.reason}; root's unit appends the job's output there: use a directory "
+                        "of root's (the job role creates it, 0755)") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_uid not in (0, os.getuid()) or st.st_mode & 0o022:
+        who = f"owned by uid {st.st_uid}" if st.st_uid not in (0, os.getuid()) else \
+            f"writable by other accounts (mode {stat_module.S_IMODE(st.st_mode):o})"
+        raise UnitError(f"log_path {path}: its directory {directory} is {who}: another account (the trainer's) could "
+                        "replace the log by a link that root's unit appends through; make the directory root's and "
+                        "writable by root only (the job role creates it so), or choose another log_path")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat_module.S_ISREG(st.st_mode):
+        raise UnitError(f"log_path {path} is not a regular file ({file_kind(st.st_mode)}): root appends the job's "
+                        "output there and does not write through it; remove it or choose another log_path")
+    if st.st_nlink > 1:
+        raise UnitError(f"log_path {path} has {st.st_nlink} hard links: root appends the job's output there and would "
+                        "write into the other file too; remove it or choose another log_path")
 
 
 def make_state_dir(path):

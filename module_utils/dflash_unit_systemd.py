@@ -21,6 +21,7 @@ from ansible.module_utils.dflash_host import read_text
 from ansible.module_utils.dflash_unit_records import (
     RUNNING,
     add_restart_facts,
+    check_log_path,
     empty_status,
     is_running,
     make_state_dir,
@@ -497,6 +498,7 @@ class SystemdBackend:
         log_dir = os.path.dirname(spec["log_path"])
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
+        check_log_path(spec["log_path"])  # systemd's append: follows a link
         state_dir = spec["state_dir"]
         make_state_dir(state_dir)
         remove_files(state_dir, ("exit_status", "events", "reason.env"))

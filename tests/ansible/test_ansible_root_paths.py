@@ -528,3 +528,27 @@ def test_the_systemd_recorder_and_hook_run_in_roots_environment(tmp_path):
     hook = hook_unit_text(spec)
     assert "Environment=PATH=/usr/sbin:/usr/bin:/sbin:/bin\nEnvironment=HOME=/root\n" in hook
     assert [line for line in hook.splitlines() if line.startswith("EnvironmentFile=")] == [f"EnvironmentFile=-{state}/reason.env"]
+
+
+@pytest.mark.parametrize("backend", ["daemon", "systemd"])
+def test_a_log_another_account_could_replace_is_refused_by_both_backends(tmp_path, fake_host, backend):
+    """Root's unit appends the job's output to its log (systemd's append: follows a link): a log directory of another
+    account's or writable by others, or a log with another name (a hard link), is refused before anything starts."""
+    from ansible.module_utils.dflash_unit_systemd import SystemdBackend
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    spec = {"name": "j", "command": ["/bin/true"], "log_path": str(logs / "job.log"), "state_dir": str(tmp_path / "state")}
+    start = (DaemonBackend(LocalHost()) if backend == "daemon" else SystemdBackend(fake_host())).start
+    os.chown(logs, 4242, 4242)
+    with pytest.raises(UnitError, match=f"its directory {logs} is owned by uid 4242: another account"):
+        start(spec)
+    os.chown(logs, 0, 0)
+    logs.chmod(0o777)
+    with pytest.raises(UnitError, match=f"its directory {logs} is writable by other accounts \\(mode 777\\)"):
+        start(spec)
+    logs.chmod(0o755)
+    os.link(_secret(tmp_path), logs / "job.log")
+    with pytest.raises(UnitError, match="job.log has 2 hard links"):
+        start(spec)
+    assert not (tmp_path / "state").exists()  # nothing started, nothing written

@@ -266,3 +266,28 @@ def test_module_refuses_a_locked_container_and_names_the_lock_and_the_fix(tmp_pa
     assert refused.returncode != 0, refused.stdout
     assert "container 200 is locked (backup)" in refused.stdout and "pct unlock 200" in refused.stdout
     assert conf.read_text() == locked
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo", "others' file", "others' directory", "world-writable directory"])
+def test_the_config_lock_is_root_s_own_or_refused(tmp_path, planted):
+    """/run/lock is world-writable: another account may have made the lock directory, or put a link, a FIFO or a
+    file of its own at the lock's name. Refused at once naming it (never followed, never waited on, never locked)."""
+    locks, target = tmp_path / "locks", tmp_path / "root-file"
+    target.write_text("root's\n")
+    locks.mkdir()
+    lock = locks / "pve-config-200.lock"
+    if planted == "link":
+        os.symlink(target, lock)
+    elif planted == "fifo":
+        os.mkfifo(lock)
+    elif planted == "others' file":
+        lock.write_text("")
+        os.chown(lock, 4242, 4242)
+    elif planted == "others' directory":
+        os.chown(locks, 4242, 4242)
+    else:
+        locks.chmod(0o777)
+    with pytest.raises(dflash_pve.UnsafeLock, match="nothing was changed"):
+        with dflash_pve.config_lock("200", 1, str(locks)):
+            pass
+    assert target.read_text() == "root's\n"
