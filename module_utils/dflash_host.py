@@ -293,6 +293,10 @@ _UNPRINTABLE = {code: f"\\x{code:02x}" for code in [*range(0x09), *range(0x0A, 0
 _UNPRINTABLE.update({code: f"\\u{code:04x}" for code in (0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))})
 
 
+# A line of a log as shown, at most (a sparse or binary log's "line" may be a whole read of NUL bytes).
+LINE_LIMIT = 4096
+
+
 def printable(text):
     """``text`` with its control characters escaped (``\\x1b``): safe to print to a terminal, one line."""
     return text.translate(_UNPRINTABLE)
@@ -302,9 +306,10 @@ def render_lines(data):
     """The lines of a log chunk (bytes) as a terminal left them: split at ``"\n"`` only (``str.splitlines``
     would also split at ``"\r"``, form feeds and Unicode separators), and of a line a progress bar redrew with
     carriage returns only its last state (a trailing ``"\r"``, as in CRLF, ends a state, it starts none); any
-    other control character is escaped (``printable``)."""
-    lines = data.decode("utf-8", errors="replace").split("\n")
-    return [printable(line.rstrip("\r").rsplit("\r", 1)[-1]) for line in lines]
+    other control character is escaped (``printable``), and a line is shown up to LINE_LIMIT characters."""
+    lines = (printable(line.rstrip("\r").rsplit("\r", 1)[-1]) for line in data.decode("utf-8", errors="replace").split("\n"))
+    return [line if len(line) <= LINE_LIMIT else f"{line[:LINE_LIMIT]}... ({len(line) - LINE_LIMIT} more characters)"
+            for line in lines]
 
 
 def read_lines(path, offset=-1, count=40, max_bytes=TAIL_BYTES, partial=False):

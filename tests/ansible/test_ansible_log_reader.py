@@ -86,3 +86,11 @@ def test_the_units_crash_loop_message_and_the_stack_reader_use_the_same_reader(t
         b'Current thread 0x00007f (most recent call first):\r\n  File "/x/train.py", line 5 in step\r\n')
     found = read_stacks(str(tmp_path))
     assert found[0]["frames"] == ["step (train.py:5)"]
+
+
+def test_a_line_is_shown_up_to_a_limit():
+    """A sparse or binary log's "line" may be a whole read of NUL bytes: shown escaped and cut."""
+    from ansible.module_utils.dflash_host import LINE_LIMIT
+
+    [line] = render_lines(b"\0" * (LINE_LIMIT + 10))
+    assert line == "\\x00" * (LINE_LIMIT // 4) + f"... ({3 * LINE_LIMIT + 40} more characters)"
