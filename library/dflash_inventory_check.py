@@ -53,6 +53,12 @@ options:
         (absolute, letters, digits and C(_./+:@-), no C(..)). Empty values are skipped.
     type: dict
     default: {}
+  stray:
+    description:
+      - What Ansible kept of words without a name in a C(-e KEY=VALUE) (the C(_raw_params) extra variable - C(-e
+        "dflash_job_name=a b") sets C(dflash_job_name=a) and leaves C(b)). Refused, naming it - else a job C(a) would be
+        deployed beside the inventory's and the word silently dropped.
+    type: str
 attributes:
   check_mode:
     support: full
@@ -150,10 +156,18 @@ def main():
             "where": {"type": "str", "default": "the inventory"},
             "job_name": {"type": "str"},
             "paths": {"type": "dict", "default": {}},
+            "stray": {"type": "str"},
         },
         supports_check_mode=True,
     )
     p = module.params
+    if p["stray"] is not None:
+        module.fail_json(
+            msg=f"-e left {p['stray']!r} without a variable name: Ansible splits -e KEY=VALUE at spaces, so -e "
+            f"\"dflash_job_name=a {p['stray']}\" is dflash_job_name=a and a stray {p['stray']!r} (a job 'a' would be "
+            "deployed beside the inventory's). Quote the value (-e 'KEY=\"a b\"') or give JSON (-e '{\"KEY\": \"a b\"}').",
+            invalid=[], unknown=[], checked=0,
+        )  # fmt: skip
     invalid = check_job(p["job_name"], p["paths"])
     if invalid:
         module.fail_json(

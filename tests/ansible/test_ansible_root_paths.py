@@ -305,7 +305,7 @@ WOULD_BE_WRITTEN = ["/tmp/evil.env", "/tmp/evil.yaml", "/var/tmp/evil", "/tmp/pw
                     "/tmp/pwned", "/etc/dflash/two words\nand a line.env"]  # fmt: skip
 
 
-def _run_playbook(tmp_path, playbook, extra):
+def _run_playbook(tmp_path, playbook, extra, raw_extra=None):
     # Nothing may run in the "container": only the first task, delegated to the controller, can run at all.
     inventory = {"all": {"children": {"dflash_hosts": {"hosts": {}}, "dflash_containers": {"hosts": {"evil-box": {
         "ansible_connection": "local", "ansible_python_interpreter": str(tmp_path / "no-python-here")}}}}}}
@@ -313,7 +313,8 @@ def _run_playbook(tmp_path, playbook, extra):
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp"), "ANSIBLE_REMOTE_TEMP": str(tmp_path / ".ansible-remote")}  # fmt: skip
     return subprocess.run([tool("ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(ROOT / "playbooks" / playbook),
-                           "-e", json.dumps(extra)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+                           "-e", raw_extra or json.dumps(extra)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
 
 
 def _assert_refused_first(proc, message):
@@ -341,6 +342,18 @@ def test_every_playbook_refuses_a_hostile_name_first(tmp_path, playbook):
     proc = _run_playbook(tmp_path, playbook, {"dflash_job_name": HOSTILE_NAMES[0]})
     _assert_refused_first(proc, "is not a valid job name")
     assert {p: os.path.lexists(p) for p in WOULD_BE_WRITTEN} == before
+
+
+@pytest.mark.slow
+def test_a_key_value_extra_var_split_at_a_space_is_refused_first(tmp_path):
+    """-e "dflash_job_name=a b": Ansible sets dflash_job_name=a and keeps `b` as _raw_params; deployed, a job `a` would
+    start beside the inventory's. Refused by the first task, naming the stray word and the two fixes."""
+    proc = _run_playbook(tmp_path, "train.yml", None, raw_extra="dflash_job_name=a b")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    tasks = [line for line in proc.stdout.splitlines() if line.startswith("TASK [")]
+    assert tasks and "Refuse unknown dflash_* variables and invalid job names and paths" in tasks[-1], tasks
+    assert "-e left 'b' without a variable name: Ansible splits -e KEY=VALUE at spaces" in out, out[-4000:]
 
 
 @pytest.mark.slow
