@@ -28,7 +28,7 @@ case "$stage" in
       left=$((deadline - SECONDS))
       timeout -k 10 "$((left > 10 ? left : 10))" python3 -m dflash regenerate "data/smollm2/${split%%:*}.jsonl" \
         "data/smollm2/${split##*:}.jsonl" --target-path "$target" --dtype float32 --max-new-tokens "${MAX_NEW_TOKENS:-512}" \
-        --batch-size "${BATCH_SIZE:-512}" ${LIMIT:+--limit "$LIMIT"} >"$out/regen-${split##*:}.log" 2>&1 || { tail -5 "$out/regen-${split##*:}.log"; exit 1; }
+        --batch-size "${BATCH_SIZE:-512}" --shard-size "${SHARD_SIZE:-1000}" ${LIMIT:+--limit "$LIMIT"} >"$out/regen-${split##*:}.log" 2>&1 || { tail -5 "$out/regen-${split##*:}.log"; exit 1; }
       echo "regenerate ${split%%:*}: $((SECONDS - t0)) s"
       grep -E "generated_tokens|tokens/s" "$out/regen-${split##*:}.log" | tail -2 | cut -c1-400
     done
