@@ -226,6 +226,16 @@ def eos_ids_of(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def tie_tolerance_of(target: Target) -> float:
+    """The tie tolerance of the dtype the target computes in: its own, or the autocast dtype it runs under (the
+    trainer's evals on CUDA autocast to bfloat16, so a float32 target's logits there round like bfloat16's)."""
+    param = next(target.model.parameters())
+    dtype = param.dtype
+    if torch.is_autocast_enabled(param.device.type) and dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(param.device.type)
+    return TIE_TOLERANCE.get(dtype, 0.0)
+
+
 def _versus(ref, other, tie_tolerance: float) -> tuple[int | None, bool]:
     """(first difference from the reference or None, whether a difference was a numerical tie of the target)."""
     diff = first_difference(ref.tokens, other.tokens)
@@ -255,7 +265,7 @@ def evaluate_speculative(target: Target, drafter: Drafter, prompts: Iterable[Pro
     bs = drafter.arch.block_size
     report = EvalReport(block_size=bs, histogram=[0] * bs, prompt_lookup_tokens=prompt_lookup,
                         prompt_lookup_ngram=prompt_lookup_ngram)
-    tie_tolerance = TIE_TOLERANCE.get(next(target.model.parameters()).dtype, 0.0)
+    tie_tolerance = tie_tolerance_of(target)
     try:
         for p in prompts:
             if before_prompt is not None:

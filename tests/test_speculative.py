@@ -207,3 +207,18 @@ def test_the_eval_limit_is_the_configs_else_the_regenerated_answers_else_128(tmp
                                                  "manifest)")
     assert limit(train_path=str(tmp_path / "plain.jsonl")) == (128, "the default (eval.max_new_tokens unset, no "
                                                                      "regenerated answers)")
+
+
+def test_the_tie_tolerance_is_the_dtype_the_target_computes_in(pair):
+    """A float32 target decoded under a bfloat16 autocast (the trainer's evals on CUDA) rounds like bfloat16: its
+    ties are judged with bfloat16's tolerance, not float32's (on an H200 a float32 SmolLM2 target's eval under
+    autocast differed from its greedy reference on 5 of 12 prompts at near-ties, and float32's 1e-5 called them
+    losses)."""
+    from dflash.evaluate import TIE_TOLERANCE, tie_tolerance_of
+
+    target, _ = pair
+    assert tie_tolerance_of(target) == TIE_TOLERANCE[torch.float32]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert tie_tolerance_of(target) == TIE_TOLERANCE[torch.bfloat16]
+    with torch.autocast("cpu", enabled=False):
+        assert tie_tolerance_of(target) == TIE_TOLERANCE[torch.float32]
