@@ -136,3 +136,20 @@ def smollm2_dir() -> Path:
     from dflash.models.packaged_target import convert
 
     return convert(REAL_TARGET, REAL_TARGET_CACHE)
+
+
+def untrained_drafter_run(root: Path) -> tuple[Path, Path]:
+    """The tiny config with no data (the suites are the prompts) in `root`, and an untrained drafter of block size 8
+    for its target: (config path, drafter directory)."""
+    from dflash.models.drafter import Drafter, arch_from_target
+    from dflash.models.target import target_config, text_config_of
+
+    config = yaml.safe_load(TINY.read_text())
+    config["output_dir"] = str(root / "run")
+    config["data"]["regenerate"] = None
+    (root / "run.yaml").write_text(yaml.safe_dump(config))
+    arch = arch_from_target(text_config_of(target_config(None, config["target"]["random_init"])), num_layers=1,
+                            block_size=8, layer_ids=config["target"]["layer_ids"], mask_token_id=1,
+                            vocab_size=config["target"]["random_init"]["vocab_size"])
+    Drafter(arch).save(root / "drafter")
+    return root / "run.yaml", root / "drafter"

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
+from conftest import untrained_drafter_run
 
 from dflash.cli import main
 from dflash.errors import BadInput
@@ -37,19 +37,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The tiny config (no data needed: the suites are the prompts) and an untrained drafter of its target."""
-    from dflash.models.drafter import Drafter, arch_from_target
-    from dflash.models.target import target_config, text_config_of
-
-    root = tmp_path_factory.mktemp("suites")
-    config = yaml.safe_load(TINY.read_text())
-    config["output_dir"] = str(root / "run")
-    config["data"]["regenerate"] = None
-    (root / "run.yaml").write_text(yaml.safe_dump(config))
-    arch = arch_from_target(text_config_of(target_config(None, config["target"]["random_init"])), num_layers=1,
-                            block_size=8, layer_ids=config["target"]["layer_ids"], mask_token_id=1,
-                            vocab_size=config["target"]["random_init"]["vocab_size"])
-    Drafter(arch).save(root / "drafter")
-    return root / "run.yaml", root / "drafter"
+    return untrained_drafter_run(tmp_path_factory.mktemp("suites"))
 
 
 def one_error_line(capsys) -> str:

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import untrained_drafter_run
 from test_eval_suites import TINY, one_error_line
 
 from dflash.cli import main
@@ -26,19 +27,7 @@ ROWS = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 500, "mtbench":
 def tiny(tmp_path_factory):
     """The tiny config of tests/test_eval_suites.py (no data: the suites are the prompts) and an untrained drafter
     of block size 8 for its target."""
-    from dflash.models.drafter import Drafter, arch_from_target
-    from dflash.models.target import target_config, text_config_of
-
-    root = tmp_path_factory.mktemp("packaged-suites")
-    config = yaml.safe_load(TINY.read_text())
-    config["output_dir"] = str(root / "run")
-    config["data"]["regenerate"] = None
-    (root / "run.yaml").write_text(yaml.safe_dump(config))
-    arch = arch_from_target(text_config_of(target_config(None, config["target"]["random_init"])), num_layers=1,
-                            block_size=8, layer_ids=config["target"]["layer_ids"], mask_token_id=1,
-                            vocab_size=config["target"]["random_init"]["vocab_size"])
-    Drafter(arch).save(root / "drafter")
-    return root / "run.yaml", root / "drafter"
+    return untrained_drafter_run(tmp_path_factory.mktemp("packaged-suites"))
 
 
 def test_every_packaged_suite_has_its_published_rows_and_the_authors_prompt():
