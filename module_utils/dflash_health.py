@@ -122,7 +122,7 @@ def observe(host, params, backend_status, wall=None):
     wall = time.time() if wall is None else wall
     obs = {"wall": wall, "log_exists": False, "log_size": 0, "log_mtime": None}
     try:
-        st = os.stat(params["log_path"])
+        st = os.lstat(params["log_path"])  # never through a link (the log is read by dflash_host.read_lines)
         obs.update(log_exists=True, log_size=st.st_size, log_mtime=st.st_mtime)
     except OSError:
         pass
