@@ -91,6 +91,7 @@ def _strings(value):
     return []
 
 
+@pytest.mark.slow
 def test_the_wait_answers_a_hostile_run_directory(hostile, tmp_path):
     """The deploy's wait (playbooks/action_plugins/dflash_wait.py), one host per layout (LAYOUTS), in one play."""
     _base, planted = hostile
@@ -125,6 +126,7 @@ def test_the_wait_answers_a_hostile_run_directory(hostile, tmp_path):
 OPS = {"status": ["mixed-1", "mixed-2", "mixed-4"], "logs": ["mixed-1", "mixed-4"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("operation", list(OPS))
 def test_dflash_ops_status_and_logs_answer_a_hostile_run_directory(hostile, tmp_path, operation):
     """`dflash ops status` and `logs` (playbooks/status.yml, logs.yml through ansible-runner, and what the CLI prints),

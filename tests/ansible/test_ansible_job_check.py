@@ -57,6 +57,7 @@ def world():
     shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.getuid() != 0, reason="runs the check as another account")
 def test_the_check_runs_as_the_jobs_user_with_no_secret_on_a_command_line(world):
     account = pwd.getpwnam(USER)
