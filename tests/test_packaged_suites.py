@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import untrained_drafter_run
 from test_eval_suites import TINY, one_error_line
 
 from dflash.cli import main
@@ -24,10 +23,10 @@ ROWS = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 500, "mtbench":
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, untrained_drafter):
     """The tiny config of tests/test_eval_suites.py (no data: the suites are the prompts) and an untrained drafter
     of block size 8 for its target."""
-    return untrained_drafter_run(tmp_path_factory.mktemp("packaged-suites"))
+    return untrained_drafter(tmp_path_factory.mktemp("packaged-suites"))
 
 
 def test_every_packaged_suite_has_its_published_rows_and_the_authors_prompt():

