@@ -178,18 +178,17 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_target(args) -> int:
+    from dflash.models.packaged_target import convert, converted
     from dflash.packaged import PACKAGED_TARGETS, target_cache_dir
 
     if args.action == "list":
         for name, t in PACKAGED_TARGETS.items():
-            directory = target_cache_dir(name)
-            state = "converted" if (directory / "dflash-target.json").is_file() else "not converted"
+            state = "converted" if converted(name) else "not converted"
             print(f"{name}: {t.model}, {t.model_licence}; from {t.package}=={t.distribution.version}; {state}: "
-                  f"{directory}")
+                  f"{target_cache_dir(name)}")
         return EXIT_OK
     if not args.name:
         raise BadInput(f"dflash target convert NAME: name one of {', '.join(PACKAGED_TARGETS)}")
-    from dflash.models.packaged_target import convert
 
     directory = convert(args.name, force=args.force)
     print(f"{args.name}: {directory}  (in a run config: target.path: packaged:{args.name})")
