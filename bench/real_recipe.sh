@@ -20,7 +20,8 @@ shift
 case "$stage" in
   regen)
     t0=$SECONDS
-    target=$(python3 -c "from dflash.models.packaged_target import convert; print(convert('smollm2-135m-instruct'))")
+    # the path is the last line (a library may print before it)
+    target=$(python3 -c "from dflash.models.packaged_target import convert; print(convert('smollm2-135m-instruct'))" | tail -n 1)
     echo "convert: $((SECONDS - t0)) s: $target"
     deadline=$((SECONDS + ${1:-480}))
     for split in held-out:eval pool:train; do
