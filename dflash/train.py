@@ -609,7 +609,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # No host-device sync until the step's loss is read at its end: the micro-batches' inputs, anchors,
         # blocks and loss weights are host-side, so the GPU runs the target forward, the drafter forward, the
-        # loss and the backward back to back (docs/PERFORMANCE.md, "One sync per step").
+        # loss and the backward back to back (docs/performance-history.md, "Kernel tiles, one sync per step").
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         weight_sum = 0.0
         stats, tokens = None, 0
