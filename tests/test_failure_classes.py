@@ -141,3 +141,32 @@ def test_the_launcher_returns_the_class_of_the_first_failed_rank(tiny_config, mo
     rc = launch.launch_torchrun(tiny_config, "unused.yaml", [], plan_ranks(tiny_config.topology))
     assert rc == failures.EXIT_CODES["cuda_oom"]
     assert "rank 1 failed first, cuda_oom" in capsys.readouterr().err
+
+
+def _documented_codes(doc: Path, class_col: int, code_col: int, heading: str) -> dict[str, str]:
+    """The exit-code table under `heading` in a doc: class -> code, as written."""
+    text = doc.read_text()
+    assert heading in text, f"{doc.name} lost its table under {heading!r}"
+    rows = {}
+    started = False
+    for line in text[text.index(heading):].splitlines()[1:]:
+        if line.startswith("|"):
+            started = True
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            name = cells[class_col].strip("`")
+            if name in ("class", "---", "-"):
+                continue
+            rows[name] = cells[code_col]
+        elif started:
+            break
+    return rows
+
+
+def test_the_documented_exit_codes_are_the_code_s():
+    """docs/architecture.md's exit-code table and docs/operations.md's failure classes say what failures.py does:
+    a class added, renumbered or dropped in the code fails here until both docs follow."""
+    expected = {name: str(code) for name, code in failures.EXIT_CODES.items()} | {failures.SIGNAL: "128+N"}
+    arch = _documented_codes(ROOT / "docs" / "architecture.md", 1, 0, "### Exit codes")
+    assert arch == expected
+    ops = _documented_codes(ROOT / "docs" / "operations.md", 0, 1, "| class | exit | how it is detected")
+    assert ops == expected
