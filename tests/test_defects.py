@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as checkpoint_module
 from dflash import evaluate
 from dflash.checkpoint import CheckpointManager
 from dflash.cli import main
@@ -116,13 +115,15 @@ def _payload(text):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Every fsync, rename and replace of a checkpoint save, in order, with what `latest` said at that moment."""
+    """Every fsync, rename and replace of a checkpoint save, in order, with what `latest` said at that moment.
+    The fsyncs are the kernel calls themselves (`os.fsync`, named by the file its descriptor is open on), not
+    the helper that should make them: a helper that forgot to call `os.fsync` records nothing."""
     calls = []
-    real_fsync, real_rename, real_replace = checkpoint_module._fsync_path, os.rename, os.replace
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
 
-    def fsync(path):
-        calls.append(("fsync", Path(path).name))
-        real_fsync(path)
+    def fsync(fd):
+        calls.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        real_fsync(fd)
 
     def rename(src, dst):
         calls.append(("rename", Path(src).name, Path(dst).name))
@@ -132,7 +133,7 @@ def recorded(monkeypatch):
         calls.append(("replace", Path(src).name, Path(dst).name))
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint_module, "_fsync_path", fsync)
+    monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
     return calls
