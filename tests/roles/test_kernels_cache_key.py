@@ -40,3 +40,13 @@ def test_cpu_torch_or_no_device_is_an_error():
         k.causal_conv1d_cache_key({"torch": "2.13.0+cpu", "cuda": None, "capabilities": []}, "1.7.0")
     with pytest.raises(ValueError, match="no CUDA device"):
         k.causal_conv1d_cache_key({**H200, "capabilities": []}, "1.7.0")
+
+
+def test_the_family_table_decides_which_kernels_a_target_needs():
+    for_target = load_plugin("kernels", "dflash_kernels").kernels_for_target
+    assert for_target("qwen3") == [] and for_target("llama") == []  # dense: no causal-conv1d, no nvcc
+    assert for_target("qwen3_5") == ["flash-linear-attention", "causal-conv1d"]
+    assert for_target("qwen3", "all") == ["flash-linear-attention", "causal-conv1d"]
+    assert for_target("qwen3_next", "none") == []
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not in the family table.*dflash_kernels_fast_path"):
+        for_target("gpt2")

@@ -98,6 +98,8 @@ def run_role(tmp_path: Path, venv: Path, cache: Path, **extra) -> subprocess.Com
         "dflash_kernels_venv_path": str(venv),
         "dflash_kernels_cache_dir": str(cache),
         "dflash_kernels_doctor_code_dir": str(tmp_path / "no-code-yet"),
+        # A hybrid target (causal-conv1d): the cases below are about its build; a dense one needs none.
+        "dflash_kernels_target_model_type": "qwen3_5_text",
         **extra,
     }
     env = {
