@@ -56,6 +56,34 @@ class DrafterConfig:
     # per layer full_attention or sliding_attention (SGLang/vLLM semantics: dflash.models.attention); None = all full
     layer_types: list[str] | None = None
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included; required with one
+    # a DFlash2 drafter (docs/method.md): {conv_kernel_size, conv_group_size, selector_rank, selector_top_k,
+    # output_multiplier, final_logit_softcapping}; None = plain DFlash
+    dflash2: dict[str, Any] | None = None
+
+
+DFLASH2_KEYS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16,
+                "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+def check_dflash2(spec: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    """drafter.dflash2 with its defaults filled in (z-lab's published values), or a ConfigError naming the field."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{key} must be a mapping of {', '.join(DFLASH2_KEYS)} (got {spec!r})")
+    unknown = sorted(set(spec) - set(DFLASH2_KEYS))
+    if unknown:
+        raise ConfigError(f"{key} has unknown keys {', '.join(unknown)}; use only {', '.join(DFLASH2_KEYS)}")
+    out = {**DFLASH2_KEYS, **spec}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        v = out[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{key}.{name} must be a positive integer (got {v!r})")
+    for name in ("output_multiplier", "final_logit_softcapping"):
+        v = out[name]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
+            raise ConfigError(f"{key}.{name} must be a non-negative number or null (got {v!r})")
+    return out
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # a drafter layer's attention (dflash.models.attention)
@@ -483,6 +511,7 @@ def validate(config: RunConfig) -> None:
     _require(not d.float8_head or d.loss_impl == "fused", "drafter.float8_head runs in the fused loss; set "
              "drafter.loss_impl: fused, or drafter.float8_head: false")
     check_layout(d.layer_types, d.sliding_window, d.num_layers, "drafter.layer_types", "drafter.sliding_window")
+    check_dflash2(d.dflash2, "drafter.dflash2")
     _require(data.synthetic is not None or data.train_path is not None,
              "data: set data.train_path (a JSONL file) or data.synthetic (generated data)")
     if data.train_path is not None and data.synthetic is None:

@@ -23,6 +23,11 @@ MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "mode
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
+def auto_map_of(config: dict) -> dict:
+    """The shipped modeling file's class for the config's architecture (DFlashDraftModel or DFlash2DraftModel)."""
+    return {"AutoModel": f"modeling_dflash.{config['architectures'][0]}"}
+
+
 def choose_checkpoint(path: str | os.PathLike, which: str = "best") -> tuple[Path, str]:
     """The checkpoint `path` names and why, in a few words for the line that says which one was taken.
 
@@ -86,7 +91,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
         drafter.save(tmp)
         meta = json.loads((tmp / "config.json").read_text())
         meta["dflash_exported_from"] = src.name
-        meta["auto_map"] = dict(AUTO_MAP)
+        meta["auto_map"] = auto_map_of(meta)
         meta["dtype"] = dtype  # transformers 5 name; `torch_dtype` (4.x) stays for older readers
         shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -260,6 +260,38 @@ def weighted_block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, bloc
     return total / w.sum(), correct
 
 
+def dflash2_block_loss(drafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor, blocks: Blocks, gamma: float,
+                       chunk_size: int = 4096):
+    """A DFlash2 drafter's loss (docs/method.md): the decayed CE of its scaled, soft-capped draft logits plus the
+    candidate selector's term (dflash.models.dflash2.selector_loss), both divided by the sum of the weights.
+    `correct` is the selector's greedy pick, teacher-forced on the true previous token."""
+    from dflash.models.dflash2 import selector_loss
+
+    b, m, bs, h = hidden.shape
+    pred = hidden[:, :, 1:, :]
+    index = blocks.row_index()
+    rows = pred.reshape(-1, h).index_select(0, index)
+    labels = blocks.labels.flatten().index_select(0, index)
+    prev = torch.cat([blocks.block_ids[:, :, :1], blocks.labels[:, :, :-1]], dim=-1).flatten().index_select(0, index)
+    w = position_weights(bs, gamma, hidden.device).expand(b, m, -1).flatten().index_select(0, index)
+    if blocks.row_mask is not None:
+        w = w * blocks.row_mask
+    correct = torch.zeros_like(blocks.label_valid)
+    if index.numel() == 0:
+        return hidden.sum() * 0.0, correct
+    total = rows.new_zeros((), dtype=torch.float32)
+    hits = []
+    for start in range(0, rows.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        logits = drafter.logits(rows[sl], lm_head_weight)
+        ce = (F.cross_entropy(logits.float(), labels[sl], reduction="none") * w[sl]).sum()
+        sel, hit = selector_loss(drafter.candidate_selector, rows[sl], logits, labels[sl], prev[sl], w[sl])
+        total = total + ce + sel
+        hits.append(hit)
+    correct.view(-1).index_copy_(0, index, torch.cat(hits))
+    return total / w.sum(), correct
+
+
 @dataclass
 class BlockStats:
     """Sums, so that batches and ranks can be added before dividing."""
@@ -371,6 +403,8 @@ class BlockPass:
             features, head = features.to(dtype), head.to(dtype)
         with self.autocast():
             hidden = forward(features, blocks.block_ids, blocks.anchors, embed, self.attention_kind, self.flex)
+            if self.drafter.arch.dflash2:
+                return dflash2_block_loss(self.drafter, hidden, head, blocks, self.gamma, self.loss_chunk_size)
             return weighted_block_loss(hidden, head, blocks, self.gamma, self.loss_chunk_size, self.loss_impl,
                                        self.float8_head)
 

@@ -4,7 +4,8 @@ One round, at `start` = the position of the last committed token (committed, not
 
 * the drafter gets the block `[token[start], MASK x (B-1)]` at positions start..start+B-1; its queries see the
   context features of every committed position before `start` (its cache, below) and the block itself, as in
-  training (a block sees the context strictly before its anchor); it proposes B-1 tokens (argmax);
+  training (a block sees the context strictly before its anchor); it proposes B-1 tokens (argmax; a DFlash2
+  drafter: its candidate selector's greedy path);
 * the target runs once over the block; `posterior[i]` = argmax at position start+i;
 * acceptance = the number of leading proposals equal to the target's own choice; the accepted tokens and the
   target's bonus token `posterior[acceptance]` are committed (acceptance length `acceptance + 1`, 1..B);
@@ -209,16 +210,18 @@ class DrafterSession:
         cos, sin = arch_rope_cos_sin(a, pos, self.dtype)
         for i, layer in enumerate(self.drafter.layers):
             att = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(att.q_norm(att.q_proj(h).view(1, bs, -1, d)).transpose(1, 2), cos, sin)
-            k = apply_rope(att.k_norm(att.k_proj(h).view(1, bs, -1, d)).transpose(1, 2), cos, sin)
-            v = att.v_proj(h).view(1, bs, -1, d).transpose(1, 2)
-            if self.keys[i] is not None:
-                k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
-            mask = self.block_mask(att.layer_mask, bs)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-            x = x + att.o_proj(out.transpose(1, 2).reshape(1, bs, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+            def attention(h, i=i, att=att):
+                q = apply_rope(att.q_norm(att.q_proj(h).view(1, bs, -1, d)).transpose(1, 2), cos, sin)
+                k = apply_rope(att.k_norm(att.k_proj(h).view(1, bs, -1, d)).transpose(1, 2), cos, sin)
+                v = att.v_proj(h).view(1, bs, -1, d).transpose(1, 2)
+                if self.keys[i] is not None:
+                    k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
+                mask = self.block_mask(att.layer_mask, bs)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+                return att.o_proj(out.transpose(1, 2).reshape(1, bs, -1))
+
+            x = layer.mlp_part(layer.attention_part(x, attention))  # a DFlash2 layer's convolutions inside
         return self.drafter.norm(x)[0]
 
     def block_mask(self, layer: LayerMask, block_size: int) -> torch.Tensor | None:
@@ -237,10 +240,13 @@ class DrafterSession:
         block = torch.full((bs,), self.arch.mask_token_id, dtype=torch.long, device=self.device)
         block[0] = first_token
         hidden = self.hidden(block)[1:]
-        logits = hidden @ self.head.to(self.device, self.dtype).t()
+        logits = self.drafter.logits(hidden, self.head.to(self.device, self.dtype))
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits = logits[:, :vocab_limit]
-        block[1:] = logits.argmax(-1)
+        if self.arch.dflash2:  # the candidate selector's greedy path over the top-k (dflash.models.dflash2)
+            block[1:] = self.drafter.candidate_selector.select(hidden, logits, block[0])
+        else:
+            block[1:] = logits.argmax(-1)
         return block
 
 

@@ -25,7 +25,7 @@ import torch
 from dflash import failures, step_graph, stop
 from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
 from dflash.compile import compile_drafter, compile_target_layers, configure_for_run, flash_version
-from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, default_gamma
+from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, check_dflash2, default_gamma
 from dflash.data.buckets import Batch
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
@@ -341,7 +341,8 @@ class Trainer:
                                     vocab_size=vocab, intermediate_size=c.drafter.intermediate_size,
                                     num_attention_heads=c.drafter.num_attention_heads,
                                     num_key_value_heads=c.drafter.num_key_value_heads,
-                                    layer_types=c.drafter.layer_types, sliding_window=c.drafter.sliding_window)
+                                    layer_types=c.drafter.layer_types, sliding_window=c.drafter.sliding_window,
+                                    dflash2=check_dflash2(c.drafter.dflash2, "drafter.dflash2"))
             gen_state = torch.random.get_rng_state()
             torch.manual_seed(c.seed + 17)
             self.drafter = Drafter(arch)

@@ -25,6 +25,7 @@ from dflash.errors import BadInput, ConfigError
 from dflash.fileio import file_mode
 from dflash.logs import get_logger
 from dflash.models.attention import AttentionBackend, LayerMask
+from dflash.models.dflash2 import CandidateSelector, GroupedDynamicConv, draft_logits
 from dflash.models.families import family_of, text_config_of
 from dflash.models.target import check_rope, rope_of
 
@@ -55,6 +56,13 @@ class DrafterArch:
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included (Hugging Face's count)
     is_causal: bool | None = None  # in-block causality for every layer; None = sliding layers causal, full not
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_parameters without rope_theta; None = plain
+    # DFlash2 (dflash.models.dflash2); conv_kernel_size 0 = plain DFlash
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
     # keys of a loaded config.json that cannot change the math, written back as they were (PRESERVED_KEYS;
     # "dflash_config": its preserved entries), so that a released drafter's export keeps its fields
     extra: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +70,31 @@ class DrafterArch:
     def __post_init__(self) -> None:
         check_layout(self.layer_types, self.sliding_window, self.num_hidden_layers, "layer_types", "sliding_window")
         check_rope_scaling(self.rope_scaling, "rope_scaling")
+        parts = (self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+        if any(parts) and not all(parts):
+            raise ConfigError("dflash_config: a DFlash2 drafter needs conv_kernel_size, conv_group_size, selector_rank "
+                              f"and selector_top_k all positive (got {parts}); give all four, or none (plain DFlash)")
+        if not any(parts) and (self.output_multiplier != 1.0 or self.final_logit_softcapping):
+            raise ConfigError("dflash_config: output_multiplier / final_logit_softcapping are implemented for "
+                              "DFlash2 drafters only; remove them, or give the DFlash2 fields")
+        if self.conv_group_size and self.hidden_size % self.conv_group_size:
+            raise ConfigError(f"dflash_config.conv_group_size {self.conv_group_size} does not divide hidden_size "
+                              f"{self.hidden_size}; use a divisor (e.g. 16)")
+
+    @property
+    def dflash2(self) -> bool:
+        return self.conv_kernel_size > 0
+
+    def dflash2_fields(self) -> dict[str, Any]:
+        """The dflash_config entries of a DFlash2 drafter (z-lab's published spelling), {} for plain DFlash."""
+        if not self.dflash2:
+            return {}
+        out = {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+               "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k,
+               "output_multiplier": self.output_multiplier}
+        if self.final_logit_softcapping:
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+        return out
 
     def layer_type(self, index: int) -> str:
         return self.layer_types[index] if self.layer_types else "full_attention"
@@ -97,7 +130,7 @@ class DrafterArch:
         extra = dict(self.extra)
         dflash_extra = extra.pop("dflash_config", {})
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -119,6 +152,7 @@ class DrafterArch:
                 "target_layer_ids": list(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id,
                 "block_size": self.block_size,
+                **self.dflash2_fields(),
                 **dflash_extra,
             },
             **extra,
@@ -157,7 +191,21 @@ class DrafterArch:
             is_causal=causal_of_hf_config(cfg),
             rope_scaling=rope_scaling,
             extra=preserved_keys(cfg),
+            **dflash2_of_hf_config(dcfg),
         )
+
+
+def dflash2_of_hf_config(dcfg: dict[str, Any]) -> dict[str, Any]:
+    """The DFlash2 fields of a config.json's dflash_config (z-lab's names), {} where there are none."""
+    out: dict[str, Any] = {}
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if dcfg.get(key) is not None:
+            out[key] = int(dcfg[key])
+    if dcfg.get("output_multiplier") is not None:
+        out["output_multiplier"] = float(dcfg["output_multiplier"])
+    if dcfg.get("final_logit_softcapping"):
+        out["final_logit_softcapping"] = float(dcfg["final_logit_softcapping"])
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -267,10 +315,29 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(a, index)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = DrafterMLP(a)
+        self.block_size = a.block_size
+        if a.dflash2:  # DFlash2: grouped dynamic convolutions around attention and MLP (dflash.models.dflash2)
+            self.attention_conv = GroupedDynamicConv(a.hidden_size, a.conv_kernel_size, a.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(a.hidden_size, a.conv_kernel_size, a.conv_group_size)
+
+    def attention_part(self, x, attention):
+        """x + the attention branch; `attention` maps the branch's (normalized, convolved) input to its output."""
+        h = self.input_layernorm(x)
+        if not hasattr(self, "attention_conv"):
+            return x + attention(h)
+        h, post = self.attention_conv.prepare(h, self.block_size)
+        return x + self.attention_conv.finish(attention(h), post, self.block_size)
+
+    def mlp_part(self, x):
+        h = self.post_attention_layernorm(x)
+        if not hasattr(self, "mlp_conv"):
+            return x + self.mlp(h)
+        h, post = self.mlp_conv.prepare(h, self.block_size)
+        return x + self.mlp_conv.finish(self.mlp(h), post, self.block_size)
 
     def forward(self, x, ctx, rope_q, rope_k, attend):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.attention_part(x, lambda h: self.self_attn(h, ctx, rope_q, rope_k, attend))
+        return self.mlp_part(x)
 
 
 class Drafter(nn.Module):
@@ -284,12 +351,20 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if arch.dflash2:
+            self.candidate_selector = CandidateSelector(arch.hidden_size, arch.vocab_size, arch.selector_rank,
+                                                        arch.selector_top_k)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
+
+    def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits of hidden states: the LM head's, scaled and soft-capped for a DFlash2 drafter."""
+        a = self.arch
+        return draft_logits(hidden, head_weight, a.output_multiplier, a.final_logit_softcapping)
 
     def forward(self, ctx_features, block_ids, anchors, embed: nn.Embedding, attention_kind: str = "sdpa",
                 compiled_flex=None) -> torch.Tensor:
@@ -452,7 +527,9 @@ HARMLESS_KEYS = {
     "dflash_exported_from", "output_hidden_states", "return_dict", "output_attentions", "id2label", "label2id",
     "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "eagle_aux_hidden_state_layer_ids",
 }
-DFLASH_CONFIG_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "causal", "num_target_layers"}
+DFLASH_CONFIG_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "causal", "num_target_layers",
+                      "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+                      "final_logit_softcapping"}
 HARMLESS_DFLASH_KEYS = {"mask_token"}  # the token's text; its id is mask_token_id
 # keys that are harmless at one value only (the value the drafter computes with)
 NEUTRAL_VALUES = {"hidden_act": "silu", "attention_bias": False, "model_type": "qwen3"}
@@ -495,7 +572,7 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
                      mask_token_id: int, vocab_size: int, intermediate_size: int | None = None,
                      num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
                      layer_types: list[str] | None = None, sliding_window: int | None = None,
-                     ) -> DrafterArch:
+                     dflash2: dict[str, Any] | None = None) -> DrafterArch:
     family, tc = family_of(target_config), text_config_of(target_config)
     heads = num_attention_heads or tc.num_attention_heads
     hidden = tc.hidden_size
@@ -523,6 +600,9 @@ def arch_from_target(target_config: Any, *, num_layers: int, block_size: int, la
         num_target_layers=tc.num_hidden_layers,
         layer_types=list(layer_types) if layer_types else None,
         sliding_window=sliding_window,
+        # a DFlash2 drafter is non-causal in its block (z-lab's published `is_causal: false`)
+        is_causal=False if dflash2 else None,
+        **({k: v for k, v in dflash2.items() if v is not None} if dflash2 else {}),
     )
 
 

@@ -4,7 +4,8 @@ Self-contained on purpose: it imports only torch and transformers, so an exporte
 
     AutoModel.from_pretrained(EXPORT_DIR, trust_remote_code=True)
 
-like the public DFlash checkpoints (config.json `auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}`).
+like the public DFlash checkpoints (config.json `auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}`, or
+`modeling_dflash.DFlash2DraftModel` for a DFlash2 drafter).
 The parameter names equal those of `dflash.models.drafter.Drafter` (fc, hidden_norm, layers.N.self_attn.*,
 layers.N.mlp.*, layers.N.*_layernorm, norm), and `forward` computes what `Drafter.forward` computes for one
 block at one anchor (tests/test_loading.py checks both).
@@ -209,6 +210,63 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _grouped_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DFlash2's grouped dynamic causal convolution over one block x (b, q_len, H): token p gets
+    sum over taps t <= p of (base[t] + dynamic[p, t, group]) * x[p - t]; dynamic (b, q_len, taps, G)."""
+    b, length, hidden = x.shape
+    taps, groups = base.shape[0], hidden // group_size
+    xs = x.view(b, length, groups, group_size)
+    coef = base.to(x.dtype).view(1, 1, taps, groups, group_size) + dynamic.to(x.dtype)[..., None]
+    out = coef[:, :, 0] * xs
+    for t in range(1, min(taps, length)):
+        out = out + coef[:, :, t] * F.pad(xs[:, :-t], (0, 0, 0, 0, t, 0))
+    return out.reshape(b, length, hidden)
+
+
+class DFlashGroupedConv(nn.Module):
+    """`attention_conv` / `mlp_conv` of a DFlash2 layer: `base_kernel` (2, taps, H) and `kernel_projection`
+    (H -> 2 * taps * H / group_size); side 0 before the wrapped module, side 1 after it."""
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int):
+        super().__init__()
+        self.taps, self.group_size, self.groups = taps, group_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+
+    def prepare(self, x: torch.Tensor):
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, self.groups)
+        return _grouped_conv(x, dyn[:, :, 0], self.base_kernel[0], self.group_size), dyn[:, :, 1]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return _grouped_conv(x, dynamic, self.base_kernel[1], self.group_size)
+
+
+class DFlashCandidateSelector(nn.Module):
+    """DFlash2's candidate selector: among the top `selector_top_k` draft tokens of each position, the greedy
+    left-to-right pick of `unary + <predecessor_codebook[prev] * hidden_projection(h), successor_codebook[c]>`."""
+
+    def __init__(self, config):
+        super().__init__()
+        rank = int(_dflash_value(config, "selector_rank"))
+        self.top_k = int(_dflash_value(config, "selector_top_k"))
+        self.predecessor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, first_token: torch.Tensor) -> torch.Tensor:
+        """hidden (b, n, H), logits (b, n, V), first_token (b,) -> the picks (b, n)."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        h = self.hidden_projection(hidden)
+        prev, picks = first_token, []
+        for i in range(hidden.shape[1]):
+            pred = self.predecessor_codebook[prev].to(h.dtype) * h[:, i]
+            succ = self.successor_codebook[candidates[:, i]].to(h.dtype)
+            scores = unary[:, i] + torch.einsum("br,bkr->bk", pred, succ)
+            prev = candidates[:, i].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            picks.append(prev)
+        return torch.stack(picks, dim=1)
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -216,13 +274,26 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config, layer_idx)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
+        taps = _dflash_value(config, "conv_kernel_size")
+        self.convolved = bool(taps)
+        if self.convolved:  # DFlash2
+            group = int(_dflash_value(config, "conv_group_size"))
+            self.attention_conv = DFlashGroupedConv(config.hidden_size, int(taps), group)
+            self.mlp_conv = DFlashGroupedConv(config.hidden_size, int(taps), group)
 
     def forward(self, hidden_states, target_hidden, cos, sin, attention_mask=None, past_key_values=None,
                 position_ids=None):
         x = hidden_states
-        x = x + self.self_attn(self.input_layernorm(x), target_hidden, cos, sin, attention_mask, past_key_values,
-                               position_ids)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.convolved:
+            h, post = self.attention_conv.prepare(h)
+        h = self.self_attn(h, target_hidden, cos, sin, attention_mask, past_key_values, position_ids)
+        x = x + (self.attention_conv.finish(h, post) if self.convolved else h)
+        h = self.post_attention_layernorm(x)
+        if self.convolved:
+            h, post = self.mlp_conv.prepare(h)
+        h = self.mlp(h)
+        return x + (self.mlp_conv.finish(h, post) if self.convolved else h)
 
 
 def _crop(cache, length: int) -> None:
@@ -308,6 +379,10 @@ class DFlashDraftModel(PreTrainedModel):
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
         return output_head(hidden.to(output_head.weight.dtype))
 
+    def propose(self, hidden: torch.Tensor, first_token: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
+        """The drafted tokens (b, n) of the block positions' hidden states (b, n, H)."""
+        return self.compute_logits(hidden, output_head).argmax(-1)
+
     def context_features(self, hidden_states) -> torch.Tensor:
         """Concatenated tapped states from a target's `output_hidden_states` (entry i+1 = output of layer i;
         transformers applies the final norm to the last entry, so do not tap the target's last layer)."""
@@ -350,7 +425,7 @@ class DFlashDraftModel(PreTrainedModel):
             hidden = self(position_ids=positions[:, start - ctx.shape[1]:start + bs], noise_embedding=embed(block),
                           target_hidden=ctx, past_key_values=draft_cache, use_cache=True)
             _crop(draft_cache, start)
-            block[:, 1:] = self.compute_logits(hidden[:, 1:], head).argmax(-1)
+            block[:, 1:] = self.propose(hidden[:, 1:], block[:, 0], head)
             o = target(block, position_ids=positions[:, start:start + bs], use_cache=True,
                        output_hidden_states=True, **{cache_kw: target_cache})
             posterior = o.logits.argmax(-1)
@@ -370,3 +445,36 @@ class DFlashDraftModel(PreTrainedModel):
             if hits:
                 ids = ids[:, :hits[0] + 1]
         return (ids, accepted) if return_acceptance else ids
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2 (z-lab's released layout, `architectures: ["DFlash2DraftModel"]`): DFlash with grouped dynamic
+    convolutions around every layer's attention and MLP (`layers.N.{attention,mlp}_conv.*`), draft logits
+    `output_multiplier * head(h)` soft-capped at `final_logit_softcapping`, and a candidate selector
+    (`candidate_selector.*`) that picks each drafted token among the top `selector_top_k`."""
+
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.candidate_selector = DFlashCandidateSelector(config)
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DFlashGroupedConv):
+            with torch.no_grad():
+                module.base_kernel.zero_()
+                module.base_kernel[:, 0] = 1.0
+
+    def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
+        logits = output_head(hidden.to(output_head.weight.dtype))
+        logits = logits * float(_dflash_value(self.config, "output_multiplier", 1.0) or 1.0)
+        cap = _dflash_value(self.config, "final_logit_softcapping")
+        if cap:
+            logits = torch.tanh(logits / float(cap)) * float(cap)
+        return logits
+
+    def propose(self, hidden: torch.Tensor, first_token: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
+        logits = self.compute_logits(hidden, output_head)
+        return self.candidate_selector.select(hidden.to(logits.dtype), logits, first_token)
