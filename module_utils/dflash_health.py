@@ -49,6 +49,7 @@ from ansible.module_utils.dflash_untrusted import read_node_file, read_word
 INVARIANTS = ("log", "unit", "gpu", "progress", "joined")
 TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST, DRIVER_MISMATCH = (
     "training", "finished", "starting", "hung", "crashed", "failed-to-start", "stopped", "lost", "driver-mismatch")
+STATES = (TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST, DRIVER_MISMATCH)
 # States a script may treat as fine (exit 0 of status): healthy, or not running on purpose.
 OK_STATES = (TRAINING, FINISHED, STARTING, STOPPED)
 RESTART_HINT = "restart it with -e dflash_job_state=restarted (ansible-playbook playbooks/train.yml or deploy.yml)"

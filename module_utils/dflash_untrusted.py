@@ -193,3 +193,17 @@ def newest_line(path, pattern=r"\S", tail_bytes=65536):
         if match(line):
             return size, text(line.strip(), 400)
     return size, None
+
+
+def modified_at(path):
+    """The modification time of a file of the trainer's (``checkpoints/latest``: when the last checkpoint was
+    published), read from the fd ``dflash_host.open_nofollow`` opens (no link followed, regular files with one link
+    only), or None when it is missing or not such a file."""
+    try:
+        fd = open_nofollow(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)

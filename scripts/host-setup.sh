@@ -9,8 +9,9 @@ venv="${1:-.venv}"
 # lxc + debootstrap: the local container backend; lxc-dev, gcc, pkg-config: build the
 # Python `lxc` bindings that the community.general.lxc connection imports;
 # openssh-server: the loopback node of the proxmox molecule scenario; g++: torch.compile's CPU
-# code generation (the compiled-loss test).
-packages=(lxc lxc-dev debootstrap openssh-server gcc g++ pkg-config python3-dev rsync)
+# code generation (the compiled-loss test); prometheus (promtool) and prometheus-node-exporter: the metrics tests
+# (tests/ansible/test_ansible_metrics.py, molecule faults).
+packages=(lxc lxc-dev debootstrap openssh-server gcc g++ pkg-config python3-dev rsync prometheus prometheus-node-exporter)
 
 if [[ $EUID -ne 0 ]]; then
   echo "host-setup: needs root (creates LXC containers); run it as root" >&2
