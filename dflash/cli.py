@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a checkpoint for serving engines")
     e.add_argument("checkpoint", help="run dir or checkpoints dir (its best checkpoint by real acceptance length "
                    "where the run kept one, else the newest), or a step-N dir")
-    e.add_argument("out", help="new output directory")
+    e.add_argument("out", nargs="?", help="new output directory")
+    e.add_argument("--check", action="store_true", help="check an exported directory (the positional argument) "
+                   "against what the serving engines' loaders read, without exporting (docs/serving.md)")
     e.add_argument("--latest", action="store_true", help="a run's newest checkpoint, not its best")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 
@@ -150,9 +152,19 @@ def _cmd_doctor(args) -> int:
 def _cmd_export(args) -> int:
     from dflash.export import choose_checkpoint, export
 
+    if args.check:
+        from dflash.export import check_serving
+
+        if args.out is not None:
+            raise BadInput("dflash export --check takes one directory (an export); drop the second argument")
+        warnings = check_serving(args.checkpoint)
+        print(f"serving check passed: {args.checkpoint} ({len(warnings)} warning(s))")
+        return EXIT_OK
+    if args.out is None:
+        raise BadInput("dflash export needs an output directory: dflash export RUN_OR_CHECKPOINT OUT")
     src, why = choose_checkpoint(args.checkpoint, "latest" if args.latest else "best")
     out = export(src, args.out, args.dtype)
-    print(f"exported drafter {src} ({why}) to {out}")
+    print(f"exported drafter {src} ({why}) to {out} (serving check passed)")
     return EXIT_OK
 
 

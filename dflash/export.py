@@ -16,8 +16,11 @@ from pathlib import Path
 from dflash.checkpoint import CheckpointManager
 from dflash.errors import BadInput
 from dflash.fileio import raise_if_full
+from dflash.logs import get_logger
 from dflash.models.drafter import Drafter, DrafterArch
 from dflash.models.target import DTYPES
+
+log = get_logger(__name__)
 
 MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "modeling_dflash.py"
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -95,6 +98,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
         meta["dtype"] = dtype  # transformers 5 name; `torch_dtype` (4.x) stays for older readers
         shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        check_serving(tmp, out)  # nothing is renamed into place unless the engines' loaders can read it
         # readable by a serving engine running as another user, whatever the umask or the writer's mode
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -107,6 +111,19 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str = "
         raise_if_full(exc, out)
         raise
     return out
+
+
+def check_serving(directory: str | os.PathLike, shown_as: str | os.PathLike | None = None) -> list:
+    """The serving contract (dflash.models.serving_contract) on an exported directory: warnings logged and returned,
+    errors one BadInput naming each rule and the engine file it comes from."""
+    from dflash.models.serving_contract import check_export
+
+    errors, warnings = check_export(directory)
+    for w in warnings:  # the llama.cpp note holds for every export: info, not a warning
+        (log.info if w.rule == "llama.cpp" else log.warning)(f"serving check, {shown_as or directory}: {w}")
+    if errors:
+        raise BadInput(f"serving check failed for {shown_as or directory}: " + "; ".join(map(str, errors)))
+    return warnings
 
 
 def init_source(path: str | os.PathLike) -> Path:
