@@ -89,6 +89,8 @@ def role_run(tmp_path_factory):
         "dflash_job_log_path": str(tmp / "log" / "job.log"), "dflash_job_env_file": str(tmp / "etc" / "job.env"),
         "dflash_job_stop_timeout": 5,
         "dflash_job_health_timeout": 300, "dflash_job_health_progress_window": 120, "dflash_job_health_poll_interval": 1,
+        # a watchdog that never fires here (the stand-in does not ping): the unit must still be given it
+        "dflash_job_watchdog": 700, "dflash_job_watchdog_start": 1700,
     }  # fmt: skip
     inventory = {"all": {"children": {"dflash_containers": {"hosts": {"here": host}}}}}
     # The unit state lives under /var/lib/dflash-units/NAME: use a name of this run.
@@ -96,6 +98,8 @@ def role_run(tmp_path_factory):
     (tmp / "hosts.yml").write_text(yaml.safe_dump(inventory))
     tasks = [
         _include(dflash_job_config={"seed": 0}), _keep("first"),
+        {"name": "Read the supervisor's options of the first launch", "ansible.builtin.slurp": {
+            "src": f"/var/lib/dflash-units/{name}/supervisor.json"}, "register": "supervisor_first", "no_log": True},
         _include(dflash_job_config={"seed": 0}), _keep("second"),
         _include(dflash_job_config={"seed": 1}), _keep("changed"),
         {"name": "Reject", "block": [_include(dflash_job_config={"seed": 2, "fake_reject": "data.jsonl:7: malformed JSON"})],
@@ -135,7 +139,8 @@ def role_run(tmp_path_factory):
                                                               " 'crash_stopped': crash_stopped | default(none), 'after_rollback': after_rollback,"
                                                               " 'config_after_rollback': config_after_rollback.content | b64decode,"
                                                               " 'current_before': current_before.stat.lnk_source,"
-                                                              " 'current_after_rollback': current_after_rollback.stat.lnk_source} | to_json }}"}},
+                                                              " 'current_after_rollback': current_after_rollback.stat.lnk_source,"
+                                                              " 'watchdog_first': (supervisor_first.content | b64decode | from_json).watchdog} | to_json }}"}},
     ]  # fmt: skip
     (tmp / "play.yml").write_text(yaml.safe_dump([{"name": "Job role", "hosts": "dflash_containers", "gather_facts": False, "tasks": tasks}], sort_keys=False))
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}
@@ -150,6 +155,13 @@ def role_run(tmp_path_factory):
     results = json.loads((tmp / "results.json").read_text())
     results["_stdout"], results["_tmp"] = proc.stdout, tmp
     return results
+
+
+def test_the_unit_gets_the_watchdog_the_inventory_asks_for(role_run):
+    """The role hands `dflash_job_watchdog`/`_start` to the unit it launches (the module's own tests cannot see a
+    role that drops the argument: the unit would then run with no watchdog, and a hung trainer would never be
+    killed)."""
+    assert role_run["watchdog_first"] == {"interval": 700, "start_interval": 1700}
 
 
 def test_first_run_starts_and_second_changes_nothing(role_run):
