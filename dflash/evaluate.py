@@ -82,6 +82,17 @@ class PromptResult:
     prompt_lookup: dict[str, Any] | None = None
 
 
+# output-position buckets of the acceptance length (a decay over long generations shows as falling numbers)
+POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, None))
+
+
+def bucket_label(lo: int, hi: int | None) -> str:
+    def k(n: int) -> str:
+        return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+    return f"{k(lo)}-{k(hi)}" if hi is not None else f"{k(lo)}+"
+
+
 @dataclass
 class EvalReport:
     block_size: int
@@ -92,6 +103,25 @@ class EvalReport:
     prompt_lookup_ngram: int = PROMPT_LOOKUP_NGRAM
     prompt_lookup_ties: int = 0
     prompt_lookup_error: str | None = None  # why transformers could not run it on this target (then skipped)
+    # per POSITION_BUCKETS entry: [rounds, tokens committed] of the rounds whose first committed token falls at
+    # that output position (the prefill's token is position 0; a round starts after it)
+    by_position: list[list[int]] = field(default_factory=lambda: [[0, 0] for _ in POSITION_BUCKETS])
+
+    def add_rounds(self, acceptance: list[int]) -> None:
+        """One generation's rounds (tokens committed per round, in order), into the histogram and the buckets."""
+        position = 1
+        for a in acceptance:
+            self.histogram[a - 1] += 1
+            for i, (lo, hi) in enumerate(POSITION_BUCKETS):
+                if position >= lo and (hi is None or position < hi):
+                    self.by_position[i][0] += 1
+                    self.by_position[i][1] += a
+            position += a
+
+    def acceptance_by_position(self) -> list[dict[str, Any]]:
+        """The acceptance length per output-position bucket that holds rounds."""
+        return [{"bucket": bucket_label(lo, hi), "from": lo, "to": hi, "rounds": n, "acceptance_length": t / n}
+                for (lo, hi), (n, t) in zip(POSITION_BUCKETS, self.by_position, strict=True) if n]
 
     @property
     def acceptance_length(self) -> float:
@@ -142,7 +172,8 @@ class EvalReport:
                "lossless_prompts": sum(p.lossless for p in self.prompts), "numerical_ties": self.ties,
                "histogram": {str(k + 1): n for k, n in enumerate(self.histogram)},
                "target_tokens_per_s": self.target_tokens_per_s,
-               "speculative_tokens_per_s": self.speculative_tokens_per_s, "speedup": self.speedup}
+               "speculative_tokens_per_s": self.speculative_tokens_per_s, "speedup": self.speedup,
+               "acceptance_by_position": self.acceptance_by_position()}
         if self.prompt_lookup_tokens:
             out["prompt_lookup"] = self.prompt_lookup_summary()
         return out
@@ -158,8 +189,12 @@ class EvalReport:
                  + (f" ({self.ties} up to a numerical tie of the target's dtype)" if self.ties else ""),
                  f"tokens/s: target alone {s['target_tokens_per_s']:.1f}, with the drafter "
                  f"{s['speculative_tokens_per_s']:.1f} (speedup {s['speedup']:.2f}x)",
-                 "accepted per round: " + "  ".join(f"{k}:{n}" for k, n in s["histogram"].items()),
-                 f"{'prompt':<24} {'tokens':>7} {'rounds':>7} {'accept':>7} {'lossless':>8}"]
+                 "accepted per round: " + "  ".join(f"{k}:{n}" for k, n in s["histogram"].items())]
+        buckets = s["acceptance_by_position"]
+        if len(buckets) > 1:  # generations long enough to reach a second bucket
+            lines.append("acceptance by output position: " + "  ".join(
+                f"{b['bucket']}: {b['acceptance_length']:.3f} ({b['rounds']} rounds)" for b in buckets))
+        lines += [f"{'prompt':<24} {'tokens':>7} {'rounds':>7} {'accept':>7} {'lossless':>8}"]
         for p in self.prompts:
             lines.append(f"{p.name:<24} {p.new_tokens:>7} {p.rounds:>7} {p.acceptance:>7.3f} "
                          f"{'yes' if p.lossless else 'NO @' + str(p.first_difference):>8}")
@@ -280,8 +315,7 @@ def evaluate_speculative(target: Target, drafter: Drafter, prompts: Iterable[Pro
                     f"speculative decoding is not lossless on prompt {p.name}: first difference at generated "
                     f"position {diff} (target {ref.tokens[diff] if diff < len(ref.tokens) else 'end'}, "
                     f"speculative {spec.tokens[diff] if diff < len(spec.tokens) else 'end'})")
-            for a in spec.acceptance:
-                report.histogram[a - 1] += 1
+            report.add_rounds(spec.acceptance)
             lookup = _prompt_lookup(report, target, p, ref, max_new_tokens, eos_ids, vocab_limit, tie_tolerance,
                                     timings)
             report.prompts.append(PromptResult(

@@ -370,3 +370,24 @@ def test_a_dflash2_run_config_with_a_bad_field_exits_2_naming_it(tmp_path, capsy
     err = capsys.readouterr().err
     assert "drafter.dflash2.selector_top_k" in err and err.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------ acceptance by position
+def test_acceptance_is_bucketed_by_output_position():
+    """Item 4 of issue 48: rounds are bucketed by the output position of their first committed token."""
+    from dflash.evaluate import EvalReport
+
+    report = EvalReport(block_size=8, histogram=[0] * 8)
+    # rounds start at output positions 1, 9, 17, ...: 8 tokens each up to 1025, then 1 token each
+    report.add_rounds([8] * 128 + [1] * 30)
+    buckets = {b["bucket"]: b for b in report.acceptance_by_position()}
+    assert list(buckets) == ["0-512", "512-1k", "1k-2k"]
+    assert buckets["0-512"]["rounds"] == 64 and buckets["0-512"]["acceptance_length"] == 8.0
+    assert buckets["512-1k"]["rounds"] == 64 and buckets["512-1k"]["acceptance_length"] == 8.0
+    assert buckets["1k-2k"]["rounds"] == 30 and buckets["1k-2k"]["acceptance_length"] == 1.0
+    assert "acceptance by output position: 0-512: 8.000 (64 rounds)" in report.render()
+    assert report.summary()["acceptance_by_position"] == report.acceptance_by_position()
+    short = EvalReport(block_size=8, histogram=[0] * 8)
+    short.add_rounds([3, 2, 5])
+    assert [b["bucket"] for b in short.acceptance_by_position()] == ["0-512"]
+    assert "acceptance by output position" not in short.render()  # one bucket: nothing to compare
