@@ -185,10 +185,28 @@ RESUME_SHAPE_KEYS = {"drafter.num_layers": "the drafter's number of layers (its 
 
 
 @dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # null: MLFLOW_TRACKING_URI, else a local file store OUTPUT_DIR/mlruns
+    experiment: str = "dflash"
+
+
+@dataclass
+class WandbConfig:
+    project: str = "dflash"
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None  # null: WANDB_MODE, else online
+
+
+@dataclass
 class LoggingConfig:
     interval: int = 10  # steps
     tensorboard: bool = False
     eval_interval: int = 0  # steps; 0 = only at the end
+    # experiment trackers (dflash/trackers.py); `tensorboard` here is the same as `tensorboard: true`
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=list)
+    run_name: str | None = None  # the trackers' run name; null: the output directory's name
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 from dflash.errors import DiskFull
 from dflash.fileio import NO_SPACE, append_line, temp_sibling
 from dflash.logs import get_logger
+from dflash.trackers import RunTrackers
 
 log = get_logger(__name__)
 
@@ -46,9 +47,12 @@ def _append_record(path: Path, record: dict[str, Any]) -> None:
 class RunObserver:
     """Only the reporting rank writes; others construct it with `enabled=False`."""
 
-    def __init__(self, output_dir: str | os.PathLike, tensorboard: bool = False, enabled: bool = True):
+    def __init__(self, output_dir: str | os.PathLike, tensorboard: bool = False, enabled: bool = True,
+                 trackers: RunTrackers | None = None):
         self.dir = Path(output_dir)
         self.enabled = enabled
+        # MLflow, W&B (dflash/trackers.py): the scalars TensorBoard gets, under the same tags
+        self.trackers = trackers if trackers is not None and enabled else RunTrackers()
         self.heartbeat_path = self.dir / "heartbeat.json"
         self.metrics_path = self.dir / "metrics.jsonl"
         self._tb = None
@@ -113,34 +117,39 @@ class RunObserver:
             line += f" input {record['input_frac']:.0%}"
         log.info(line)
         _append_record(self.metrics_path, {**record, "time": time.time()})
-        if self._tb is not None:
-            step = record["step"]
-            for key in ("loss", "tau", "tokens_per_s", "lr", "mem_gib", "mfu", "input_frac"):
-                if record.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", record[key], step)
-            for k, a in enumerate(acc):
-                self._tb.add_scalar(f"acc/pos{k + 1}", a, step)
-            self._tb.flush()
+        scalars = {f"train/{key}": record[key] for key in ("loss", "tau", "tokens_per_s", "lr", "mem_gib", "mfu",
+                                                           "input_frac") if record.get(key) is not None}
+        scalars.update({f"acc/pos{k + 1}": a for k, a in enumerate(acc)})
+        self._scalars(scalars, record["step"])
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """An eval record: one JSON line (`"kind": "eval"`) in metrics.jsonl and TensorBoard `eval/*` scalars."""
         if not self.enabled:
             return
         _append_record(self.metrics_path, {"kind": "eval", **record, "time": time.time()})
+        self._scalars({f"eval/{key}": value for key, value in record.items()
+                       if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)},
+                      record["step"])
+
+    def _scalars(self, scalars: dict[str, float], step: int) -> None:
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"eval/{key}", value, record["step"])
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
+        self.trackers.scalars(scalars, step)
 
     def event(self, message: str) -> None:
         if self.enabled:
             log.info(message)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        if self._tb is not None:
-            self._tb.add_scalar(tag, value, step)
-            self._tb.flush()
+        if self.enabled:
+            self._scalars({tag: value}, step)
+
+    def artifact(self, path: Path, name: str) -> None:
+        """A directory (the run's export) uploaded to the trackers that keep artifacts (not TensorBoard)."""
+        if self.enabled:
+            self.trackers.artifact(path, name)
 
     def _end_refresh(self) -> None:
         """Stop the `starting` refresher (the caller holds _beat_lock)."""
@@ -148,9 +157,11 @@ class RunObserver:
             self._starting_done.set()
             self._starting_done = None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         with self._beat_lock:
             self._end_refresh()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
+        self.trackers.close(failed)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +51,7 @@ from dflash.models.target import Target, build_hf_model, require_fast_path
 from dflash.notify import Notifier
 from dflash.observability import RunObserver
 from dflash.stacks import previous_end, resume_note
+from dflash.trackers import open_trackers
 
 log = get_logger(__name__)
 
@@ -266,7 +268,8 @@ class Trainer:
         if c.target.float8 and with_target:
             check_float8(self.device, "target.float8", torchao=False)
         self.input_timer = InputTimer(self.device)
-        self.observer = RunObserver(out, c.logging.tensorboard, enabled=self.is_reporter)
+        self.observer = RunObserver(out, c.logging.tensorboard or "tensorboard" in c.logging.trackers,
+                                    enabled=self.is_reporter, trackers=open_trackers(c) if self.is_reporter else None)
         self.previous_end = previous_end(out) if self.is_reporter else None  # before the heartbeat is rewritten
         self.observer.heartbeat(0, 0, "starting")
         self.compile_plan, compile_line = configure_for_run(c.compile, c.output_dir, self.device)
@@ -693,8 +696,24 @@ class Trainer:
                     result["eval_lossless"] = ev["lossless"]
         self.observer.heartbeat(self.step, epoch, "stopped" if stopped else "finished",
                                 loss=last.get("loss"), tau=last.get("tau"), **self._eval_beat())
+        if not stopped and self.observer.trackers:
+            self._export_to_trackers()
         self.observer.close()
         return result
+
+    def _export_to_trackers(self) -> None:
+        """The final checkpoint exported for serving (OUTPUT_DIR/trackers/export) and uploaded to the trackers as
+        the artifact `export`; a failure is one warning, never the run's."""
+        from dflash.export import export
+
+        target = Path(self.config.output_dir) / "trackers" / "export"
+        try:
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            self.observer.artifact(export(self.ckpt.path_for(self.step), target, which="latest"), "export")
+        except Exception as exc:  # noqa: BLE001 - the trained checkpoint is kept whatever the export does
+            log.warning(f"trackers: the export of step {self.step} for the trackers failed ({type(exc).__name__}: "
+                        f"{exc}); the checkpoint is kept, `dflash export` makes it")
 
     def _eval_beat(self) -> dict[str, Any]:
         return self.evaluator.heartbeat_fields()
@@ -757,6 +776,8 @@ def run_to_end(trainer: Trainer) -> dict[str, Any]:
         with contextlib.suppress(OSError):  # a full disk must not hide the error itself
             trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed", error=reason,
                                        **({"failure_class": cls} if cls else {}))
+        with contextlib.suppress(Exception):
+            trainer.observer.close(failed=True)  # the trackers' runs end as failed
         if classified:
             raise failures.ClassifiedFailure(cls, reason) from exc
         raise

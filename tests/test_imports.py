@@ -37,7 +37,7 @@ LAYERS: dict[str, list[str]] = {
     # the process runtime of every command: stop signals, the torchrun launcher, ranks' topology and transfers,
     # hang evidence, the supervisor's watchdog, failure classes, run records, multi-node presence, the doctor
     "runtime": ["dflash.stop", "dflash.torchrun", "dflash.distributed.*", "dflash.stacks", "dflash.notify",
-                "dflash.failures", "dflash.observability", "dflash.multinode", "dflash.doctor"],
+                "dflash.failures", "dflash.observability", "dflash.trackers", "dflash.multinode", "dflash.doctor"],
     # what the commands run: the trainer, its CUDA-graph step and its inputs, its ranks (dflash.distributed's entry point runs
     # the trainer), evaluation, regeneration
     "pipelines": ["dflash.inputs", "dflash.train", "dflash.step_graph", "dflash.distributed", "dflash.distributed.ranks",
