@@ -34,7 +34,9 @@ from dflash.evaluate import (
     load_eval_models,
     render_prompt_ids,
 )
+from dflash.observability import RunObserver
 from dflash.speculative import PROMPT_LOOKUP_NGRAM
+from dflash.trackers import checkpoint_step, open_trackers, suite_scalars
 
 DEFAULT_LIMIT = 80  # rows per suite
 TABLE_POSITIONS = 4  # draft positions shown in the printed table (the JSON has all B-1)
@@ -313,6 +315,18 @@ def _lookup_settings(num_tokens: int) -> dict[str, Any] | None:
             "acceptance_length": "(new tokens - 1) / (target forwards - 1), forwards counted by a forward hook"}
 
 
+def log_to_trackers(config: Any, results: list[dict[str, Any]], step: int) -> None:
+    """The suites' real acceptance lengths (`suite/NAME/acceptance_length`, ...) at the checkpoint's step, into the
+    run's TensorBoard and trackers (`logging.trackers`: the run's MLflow/W&B run again, by its kept run id)."""
+    observer = RunObserver(config.output_dir, config.logging.tensorboard or "tensorboard" in config.logging.trackers,
+                           trackers=open_trackers(config))
+    try:
+        for tag, value in suite_scalars(results).items():
+            observer.scalar(tag, value, step)
+    finally:
+        observer.close()
+
+
 def run_suites(args) -> int:
     """The CLI: every suite file is read and checked before any model loads."""
     if args.prompts:
@@ -342,6 +356,8 @@ def run_suites(args) -> int:
         results.append(suite_result(name, source, report, len(rows)))
     settings["seconds"] = time.time() - setup.started
     document = {"settings": settings, "suites": {r["suite"]: r for r in results}}
+    if setup.config.logging.trackers:
+        log_to_trackers(setup.config, results, checkpoint_step(setup.source))
     if args.out:
         Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     print(json.dumps(document, indent=2) if args.json else render_table(results, settings))

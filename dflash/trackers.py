@@ -217,3 +217,19 @@ def open_trackers(config: Any) -> RunTrackers:
     if trackers:
         trackers.params(config.to_dict())
     return trackers
+
+
+SUITE_METRICS = ("acceptance_length", "speedup", "target_tokens_per_s", "speculative_tokens_per_s")
+
+
+def suite_scalars(results: list[dict[str, Any]]) -> dict[str, float]:
+    """`dflash eval --suite`'s results as scalars: `suite/NAME/acceptance_length`, ... (numbers only)."""
+    return {f"suite/{r['suite']}/{key}": float(r[key]) for r in results for key in SUITE_METRICS
+            if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)}
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step of a checkpoint directory (`step-00000400`, or what `best` names), else 0."""
+    name = Path(path).resolve().name
+    digits = name.rsplit("-", 1)[-1]
+    return int(digits) if digits.isdigit() else 0

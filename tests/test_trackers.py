@@ -166,3 +166,30 @@ def test_the_trackers_key_is_validated(write_config, tiny_dict):
     tiny_dict["logging"]["wandb"] = {"mode": "offline", "project": "p"}
     cfg = load_config(write_config(tiny_dict))
     assert cfg.logging.trackers == ["mlflow", "wandb"] and cfg.logging.wandb.mode == "offline"
+
+
+def test_suite_acceptance_lengths_go_to_the_runs_trackers(untrained_drafter, tmp_path, capsys):
+    """`dflash eval --suite` with a config naming trackers: each suite's real acceptance length is a scalar
+    `suite/NAME/acceptance_length` in the run's TensorBoard and MLflow run, equal to the JSON report's."""
+    import json
+
+    import yaml
+
+    from dflash.cli import main
+
+    config_path, drafter = untrained_drafter(tmp_path)
+    config = yaml.safe_load(config_path.read_text())
+    config["logging"]["trackers"] = ["tensorboard", "mlflow"]
+    config_path.write_text(yaml.safe_dump(config))
+    rows = tmp_path / "gsm8k.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"Natalia sold clips to {n} friends. How many?",
+                                        "answer": f"#### {n}"}) + "\n" for n in (48, 12)))
+    out = tmp_path / "suites.json"
+    assert main(["eval", str(config_path), str(drafter), "--suite", f"gsm8k={rows}", "--suite-limit", "2",
+                 "--max-new-tokens", "6", "--thinking", "off", "--out", str(out)]) == 0, capsys.readouterr()
+    expected = json.loads(out.read_text())["suites"]["gsm8k"]["acceptance_length"]
+    run = Path(config["output_dir"])
+    assert tensorboard_scalars(run)["suite/gsm8k/acceptance_length"] == {0: pytest.approx(expected, rel=1e-6)}
+    client, mlrun = mlflow_run(run)
+    assert mlrun.data.metrics["suite/gsm8k/acceptance_length"] == pytest.approx(expected)
+    assert mlrun.data.params["drafter.block_size"]  # the run config as parameters
