@@ -71,3 +71,12 @@ def test_the_two_node_example_has_a_gateway_and_absolute_mount_sources():
         assert f.net0_problems(net0) == [], (host, net0)
         assert all(m["src"].startswith("/") for m in hv["dflash_container_bind_mounts"])
         assert hv["dflash_job_rendezvous_address"].startswith("10.10.0.")
+
+
+def test_a_missing_read_only_source_is_refused_never_created(tmp_path):
+    models = tmp_path / "models" / "Qwen3-8B"
+    results = _run(tmp_path, {"typo": {"dflash_container_pct_unprivileged": True, "dflash_container_bind_mounts": [
+        {"src": str(models), "dest": "/models/Qwen3-8B", "readonly": True}]}})  # fmt: skip
+    msg = results["typo"]["msg"]
+    assert not results["typo"]["ok"] and f"{models} on node-a does not exist (a read-only source is never created)" in msg
+    assert not models.exists() and not models.parent.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -90,17 +91,37 @@ def test_lock_refuses_set_start_and_destroy_until_unlocked(pct, capsys):
     assert "cores: 3" in config(pct, capsys)
 
 
-def test_exec_keeps_a_cleaned_environment(pct, capsys, monkeypatch):
+def test_exec_keeps_the_callers_environment(pct, capsys, monkeypatch):
+    """Real pct keeps the caller's environment in `pct exec` (keep-env): a proxy the caller sets reaches apt."""
     calls = []
     monkeypatch.setattr(os, "execvpe", lambda file, argv, env: calls.append((argv, env)))
-    monkeypatch.setenv("PIP_INDEX_URL", "http://leak.example/")
+    monkeypatch.setenv("https_proxy", "http://proxy.example:3128/")
     monkeypatch.setenv("LC_ALL", "C.UTF-8")
     assert "container '9201' not running!" in refused(capsys, pct.cmd_exec, "9201", "--", "true")
     pct.live = True
     pct.cmd_exec("9201", "--", "sh", "-c", "echo $PATH")
     argv, env = calls[0]
     assert argv == ["lxc-attach", "-n", "9201", "--keep-env", "--", "sh", "-c", "echo $PATH"]
-    assert "PIP_INDEX_URL" not in env and env["LC_ALL"] == "C.UTF-8" and "PATH" in env
+    assert env["https_proxy"] == "http://proxy.example:3128/" and env["LC_ALL"] == "C.UTF-8" and "PATH" in env
+
+
+def test_what_an_older_or_different_node_refuses(pct, capsys, tmp_path):
+    """devN before PVE 8.1, Debian 13 before pve-container 5.3.1, a missing bridge, a symlinked mount source."""
+    (Path(pct.STATE) / "pveversion").write_text("pve-manager: 8.0.4\npve-container: 5.0.8\n")
+    assert "dev0: property is not defined in schema" in refused(capsys, pct.cmd_set, "9201", "--dev0", "/dev/null")
+    capsys.readouterr()
+    pct.main(["-v"], "pveversion")
+    assert "pve-manager: 8.0.4" in capsys.readouterr().out
+    trixie = tmp_path / "debian-13-standard_13.1-2_amd64"
+    (trixie / "etc").mkdir(parents=True)
+    assert "unsupported debian version '13.1'" in refused(capsys, pct.cmd_create, "9202", str(trixie))
+    pct.cmd_set("9201", "--net0", "name=eth0,bridge=vmbr1,ip=dhcp")
+    assert "bridge 'vmbr1' does not exist" in refused(capsys, pct.cmd_start, "9201")
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    pct.cmd_set("9201", "--net0", "name=eth0,bridge=vmbr0,ip=dhcp", "--mp0", f"{tmp_path}/link/models,mp=/models,ro=1")
+    assert f"symlink encountered at: {tmp_path}/link" in refused(capsys, pct.cmd_start, "9201")
 
 
 def test_templates_and_storages(pct, capsys):

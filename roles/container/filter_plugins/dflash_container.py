@@ -243,16 +243,18 @@ def nvidia_library_version(path: str) -> str:
 _STANDARD = re.compile(r"^debian-(12|13)-standard_(\d+)\.(\d+)-(\d+)_amd64\.tar\.(?:zst|gz|xz)$")
 
 
-def newest_debian_template(available: list[str], listed: list[str], storage: str) -> str:
-    """The newest Debian 12 or 13 standard template, as ``STORAGE:vztmpl/NAME``, among those `pveam available
-    --section system` lists (``system  NAME`` lines) and those already on `storage` (`pveam list STORAGE`:
-    ``STORAGE:vztmpl/NAME  SIZE`` lines); '' when there is none."""
+def newest_debian_template(available: list[str], listed: list[str], storage: str, majors=(12, 13)) -> str:
+    """The newest Debian standard template of a major in `majors` (12 or 13; the preflight narrows it to the node's
+    own major where pve-container is older than 5.3.1, which refuses Debian 13), as ``STORAGE:vztmpl/NAME``, among
+    those `pveam available --section system` lists (``system  NAME`` lines) and those already on `storage`
+    (`pveam list STORAGE`: ``STORAGE:vztmpl/NAME  SIZE`` lines); '' when there is none."""
+    wanted = {str(int(m)) for m in majors}
     names = [line.split()[1] for line in available if len(line.split()) >= 2 and line.split()[0] == "system"]
     names += [line.split()[0].split(":vztmpl/", 1)[1] for line in listed if ":vztmpl/" in (line.split() or [""])[0]]
     versions = {}
     for name in names:
         match = _STANDARD.match(name)
-        if match:
+        if match and match.group(1) in wanted:
             versions[name] = tuple(int(g) for g in match.groups()[1:])
     if not versions:
         return ""
@@ -270,6 +272,29 @@ def unwritable_sources(results: list[dict], root_uid) -> list[str]:
             continue
         out.append(f"{item.get('src')} (owner uid {st.get('uid')})")
     return out
+
+
+def missing_sources(results: list[dict], readonly: bool) -> list[dict]:
+    """From the `stat` results of the bind-mount sources: the missing ones that are read-only (`readonly` true; the
+    role refuses them, never creates them) or writable (false; created owned by the container's root)."""
+    return [r for r in results if not (r.get("stat") or {}).get("exists")
+            and bool((r.get("item") or {}).get("readonly")) == bool(readonly)]
+
+
+def net0_bridges(net0: str) -> list[str]:
+    """The bridge a `pct --net0` value names (``bridge=vmbr0``), as a list (none for ``none``)."""
+    fields = dict(part.split("=", 1) for part in (net0 or "").split(",") if "=" in part)
+    return [fields["bridge"]] if fields.get("bridge") else []
+
+
+def pct_idmap_root(config_lines: list[str]):
+    """The node uid of the container's root from its own ``lxc.idmap: u 0 BASE COUNT`` line (`pct config`), or
+    None when the config has none (PVE then maps from 100000)."""
+    for line in config_lines:
+        fields = re.split(r"[:=\s]+", line.strip())
+        if fields[:3] == ["lxc.idmap", "u", "0"] and len(fields) >= 4 and fields[3].isdigit():
+            return int(fields[3])
+    return None
 
 
 def net0_problems(net0: str) -> list[str]:
@@ -303,4 +328,7 @@ class FilterModule:
             "dflash_newest_debian_template": newest_debian_template,
             "dflash_unwritable_sources": unwritable_sources,
             "dflash_net0_problems": net0_problems,
+            "dflash_net0_bridges": net0_bridges,
+            "dflash_missing_sources": missing_sources,
+            "dflash_pct_idmap_root": pct_idmap_root,
         }

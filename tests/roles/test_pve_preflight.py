@@ -1,0 +1,84 @@
+"""The Proxmox node check (roles/container/files/dflash-pve-preflight), run as the node runs it: plain python3 with a
+`pveversion` on PATH (a stand-in printing a node's versions) over a scratch directory tree. Each refusal is one line
+naming the thing and its fix; a first run's sources and node pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .conftest import ROOT
+
+SCRIPT = ROOT / "roles" / "container" / "files" / "dflash-pve-preflight"
+
+
+def node(tmp_path: Path, manager="8.2.4", container="5.1.12") -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "pveversion").write_text(
+        f"#!/bin/sh\necho 'proxmox-ve: 8.2.0 (running kernel: 6.8.4-2-pve)'\necho 'pve-manager: {manager} (running "
+        f"version: {manager}/abc)'\necho 'pve-container: {container}'\n")
+    (bin_dir / "pveversion").chmod(0o755)
+    (tmp_path / "sys" / "class" / "net" / "vmbr0" / "bridge").mkdir(parents=True, exist_ok=True)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def check(tmp_path, env, **args) -> dict:
+    args = {"node": "pve-gpu01", "bridges": ["vmbr0"], "devn": True, "mounts": [],
+            "storage_root": str(tmp_path / "mnt-pve"), "sysfs": str(tmp_path / "sys"), **args}
+    out = subprocess.run(["python3", str(SCRIPT), json.dumps(args)], env={**os.environ, **env}, capture_output=True,
+                         text=True, check=True, timeout=60)  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_a_first_run_passes_and_reports_the_versions(tmp_path):
+    env = node(tmp_path)
+    models = tmp_path / "models" / "Qwen3-8B"
+    models.mkdir(parents=True)
+    (models / "config.json").write_text("{}")
+    got = check(tmp_path, env, reader_uid=os.getuid(), reader_gid=os.getgid(), mounts=[{"src": str(models), "readonly": True},
+                                       {"src": str(tmp_path / "runs"), "readonly": False}])  # fmt: skip
+    assert got["problems"] == [] and got["pve"] == "8.2.4" and got["pve_container"] == "5.1.12"
+    assert got["debian13"] is False and got["debian_major"] > 0
+
+
+def test_each_refusal_names_its_fix(tmp_path):
+    env = node(tmp_path, manager="8.0.4", container="5.3.5")
+    real = tmp_path / "real-models"
+    real.mkdir()
+    (tmp_path / "models").symlink_to(real)
+    storage = tmp_path / "mnt-pve" / "cephfs"
+    storage.mkdir(parents=True)  # a mount point whose storage is not mounted: the node's local disk
+    # Under a directory anyone may enter (pytest's own tmp root is 0700): only the source itself is closed.
+    open_dir = Path(tempfile.mkdtemp(prefix="dflash-preflight-"))
+    open_dir.chmod(0o755)
+    secret = open_dir / "data"
+    secret.mkdir(mode=0o700)
+    got = check(tmp_path, env, bridges=["vmbr1"], reader_uid=100990, reader_gid=100990, mounts=[
+        {"src": str(tmp_path / "models" / "Qwen3-8B"), "readonly": True},
+        {"src": str(storage / "dflash"), "readonly": False},
+        {"src": str(tmp_path / "typo"), "readonly": True},
+        {"src": str(secret), "readonly": True}])  # fmt: skip
+    problems = got["problems"]
+    assert got["debian13"] is True
+    assert len(problems) == 6, problems
+    assert "pve-manager 8.0.4, which has no devN passthrough (added in 8.1)" in problems[0]
+    assert "dflash_container_gpu_passthrough: legacy" in problems[0]
+    assert problems[1].startswith("bridge vmbr1 (dflash_container_pct_net0) does not exist on pve-gpu01")
+    assert f"has a symlink in its path ({tmp_path}/models -> {real})" in problems[2]
+    assert f"use the real path {real}/Qwen3-8B" in problems[2]
+    assert f"is under {storage}, which is not mounted" in problems[3] and not (storage / "dflash").exists()
+    assert f"{tmp_path}/typo on pve-gpu01 does not exist (a read-only source is never created)" in problems[4]
+    assert f"{secret} is not readable by the container's trainer (node uid 100990)" in problems[5]
+    assert f"chmod -R o+rX {secret}" in problems[5]
+    assert all("\n" not in p for p in problems)
+    shutil.rmtree(open_dir)
+
+
+def test_not_a_proxmox_node(tmp_path):
+    got = check(tmp_path, {"PATH": "/usr/bin:/bin"})
+    assert "`pveversion -v` gives nothing on pve-gpu01: this is not a Proxmox VE node" in got["problems"][0]
