@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from ansible.module_utils.dflash_gpu import gpu_faults, health_faults, parse_query, parse_xids
 from ansible.module_utils.dflash_health import check_health
@@ -43,6 +44,17 @@ def test_the_captured_h200_is_fit_and_its_sections_are_read():
     assert section["GPU UUID"] == UUID and section["ECC Errors/Volatile/DRAM Uncorrectable"] == "0"
     assert section["Remapped Rows/Remapping Failure Occurred"] == "No"
     assert health_faults(section) == []
+
+
+@pytest.mark.parametrize("counter", ["DRAM Uncorrectable", "SRAM Uncorrectable SEC-DED", "SRAM Uncorrectable Parity"])
+def test_a_single_uncorrectable_ecc_error_is_a_fault(counter):
+    """One is enough (a threshold of more than one, or a counter left unread, passes a GPU that corrupts memory)."""
+    volatile = Q.index("        Volatile\n")
+    at = Q.index(counter, volatile)
+    line_end = Q.index("\n", at)
+    one = Q[:at] + Q[at:line_end].replace(": 0", ": 1") + Q[line_end:]
+    faults = health_faults(parse_query(one)[0]["00000000:00:06.0"])
+    assert faults == [f"uncorrectable ECC errors since the driver loaded ({counter} 1): reset the GPU before using it"]
 
 
 def test_ecc_remap_lost_and_xid_faults():
