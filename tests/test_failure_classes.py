@@ -100,6 +100,11 @@ def test_classes_of_exceptions_and_exits(monkeypatch):
     assert failures.classify(RuntimeError("CUDA error: uncorrectable ECC error encountered")) == "gpu_error"
     assert failures.classify(torch.OutOfMemoryError("CUDA out of memory")) == "cuda_oom"
     assert failures.classify(torch.cuda.OutOfMemoryError("x")) == "cuda_oom"
+    # known only by its text: a library that re-raises the allocator's error as a plain RuntimeError (e.g. inside a
+    # compiled region or a NCCL call), and a subclass of RuntimeError that is not torch's
+    assert failures.classify(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 79.1 GiB total "
+                                          "capacity)")) == "cuda_oom"
+    assert failures.classify(type("CompiledError", (RuntimeError,), {})("CUDA out of memory")) == "cuda_oom"
     assert failures.classify(ValueError("something else")) == "unknown"
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert failures.describe("gpu_error", RuntimeError("CUDA error: unspecified launch failure")).startswith(
