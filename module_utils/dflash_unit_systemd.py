@@ -139,6 +139,28 @@ fi
 systemctl daemon-reload
 systemctl reset-failed "$name.service" 2>/dev/null || true
 rm -f "$state/exit_status" "$state/events" "$state/reason.env"
+# A GPU job waits (bounded) for its GPUs: after a reboot of an NVSwitch node CUDA sees none until the fabric
+# manager is done, and the trainer would exit as bad input (exit 2, never restarted).
+want=$(sed -n 's/^CUDA_VISIBLE_DEVICES=//p' "$state/environment" 2>/dev/null | tr -d "\\"'" | tr ',' ' ' | wc -w)
+if [ "$want" -gt 0 ] && command -v nvidia-smi >/dev/null 2>&1; then
+    limit=${DFLASH_BOOT_GPU_WAIT_S:-600}
+    waited=0
+    while :; do
+        seen=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+        fabric=$(nvidia-smi -q 2>/dev/null | awk '/^ *Fabric *$/ { f = 1; next } f && /State/ { sub(/.*: */, ""); print; f = 0 }' | grep -v -x -e Completed -e N/A -e 'Not Supported' | sort | uniq -c | tr -s ' ' | tr '\\n' ';' || true)
+        missing=''
+        [ "$seen" -ge "$want" ] || missing="$seen of its $want GPUs visible"
+        [ -z "$fabric" ] || missing="${missing:+$missing, }fabric state:$fabric"
+        [ -z "$missing" ] && break
+        if [ "$waited" -ge "$limit" ]; then
+            echo "dflash job $name: GPUs still not ready after $limit s ($missing); launching anyway"
+            break
+        fi
+        [ "$waited" -gt 0 ] || echo "dflash job $name: waiting up to $limit s for its GPUs ($missing)"
+        sleep 5
+        waited=$((waited + 5))
+    done
+fi
 xargs -0 -x -a "$state/launch.argv" env --
 mkdir -p -m 0755 "$markers"
 date +%s > "$markers/$name.launched"

@@ -73,7 +73,7 @@ def test_dev_entries_cover_every_device_in_natural_order():
     assert list(entries.values()) == [
         "/dev/nvidia2,mode=0666",
         "/dev/nvidia10,mode=0666",
-        "/dev/nvidia-caps/nvidia-cap1,mode=0444",  # MIG caps stay read-only
+        "/dev/nvidia-caps/nvidia-cap1,mode=0400",  # MIG config capability: root only
         "/dev/nvidia-uvm,mode=0666",
         "/dev/nvidiactl,mode=0666",
     ]

@@ -155,7 +155,7 @@ def test_dev_entries_pass_pve_container_dev_schema():
         assert set(props) == {"path", "mode"}
         assert props["path"].startswith("/dev/") and not re.search(r"/\.\.?(?:/|$)", props["path"])
         assert re.fullmatch(r"0[0-7]{3}", props["mode"])  # pve-container: pattern => '0[0-7]{3}'
-    assert "/dev/nvidia-caps/nvidia-cap1,mode=0444" in entries.values()  # read-only, as on the host
+    assert "/dev/nvidia-caps/nvidia-cap1,mode=0400" in entries.values()  # MIG config: root only, as on the host
     assert entries["dev0"] == "/dev/nvidia0,mode=0666"
     config = f.pct_config_to_dict(PVE_CONF)
     assert f.pct_dev_paths(config) == {"dev0": "/dev/nvidia0"}

@@ -35,6 +35,16 @@ MIG_NODE = re.compile(r"^nvidia-caps/nvidia-cap\d+$")
 # Modes inside the container: what the driver gives these nodes on the host by default.
 NODE_MODE = "0666"
 CAP_MODE = "0444"
+# nvidia-cap1 is MIG's config capability (creating and destroying MIG instances): root's only, as the driver
+# makes it on the host (0400); the others (cap2: monitor, the instances' access caps) read-only for everyone.
+MIG_CONFIG_NODE = "nvidia-caps/nvidia-cap1"
+CONFIG_CAP_MODE = "0400"
+
+
+def _node_mode(name: str, mode: str) -> str:
+    if name == MIG_CONFIG_NODE:
+        return CONFIG_CAP_MODE
+    return CAP_MODE if MIG_NODE.match(name) else mode
 
 
 def _as_device(device) -> dict:
@@ -72,12 +82,11 @@ def nvidia_missing_nodes(devices: list[dict], gpus: list[int]) -> list[str]:
 def nvidia_dev_entries(devices: list, mode: str = NODE_MODE) -> dict[str, str]:
     """Proxmox `devN` values for the devices (paths or nvidia_cuda_devices dicts), numbered in a stable order.
 
-    MIG capability nodes are read-only (as on the host); the others get `mode`.
+    MIG capability nodes are read-only (as on the host), the config capability nvidia-cap1 root's only (0400);
+    the others get `mode`.
     """
     items = sorted({_as_device(d)["path"]: _as_device(d) for d in devices}.values(), key=lambda d: _natural_key(d["path"]))
-    return {
-        f"dev{i}": f"{d['path']},mode={CAP_MODE if MIG_NODE.match(d['name']) else mode}" for i, d in enumerate(items)
-    }
+    return {f"dev{i}": f"{d['path']},mode={_node_mode(d['name'], mode)}" for i, d in enumerate(items)}
 
 
 def pct_dev_paths(config: dict) -> dict[str, str]:
