@@ -180,25 +180,24 @@ def test_the_writer_reads_a_hostile_run_directory_safely(tmp_path):
     assert state in ("starting", "hung")
 
 
-def test_the_timer_command_runs_with_the_copied_module_utils_only(tmp_path):
-    """As the role installs it: the entry script beside ansible/module_utils/ (the listed files only), run by the
-    system's Python in isolated mode (no ansible installed there); a job never launched reads as stopped."""
-    lib = tmp_path / "lib"
-    (lib / "ansible" / "module_utils").mkdir(parents=True)
-    (lib / "ansible" / "__init__.py").write_text("")
-    (lib / "ansible" / "module_utils" / "__init__.py").write_text("")
+def test_the_timer_command_runs_the_zip_application_the_role_builds(tmp_path):
+    """As the role installs it: files/dflash-metrics-pyz.py builds one zip of the listed module_utils (the same bytes
+    twice: an unchanged writer copies as unchanged), the system's Python runs it isolated (no ansible installed
+    there); a job never launched reads as stopped."""
     import yaml
 
     names = yaml.safe_load((ROOT / "roles" / "job" / "vars" / "main.yml").read_text())["_dflash_job_metrics_module_utils"]
-    for name in names:
-        shutil.copy(ROOT / "module_utils" / f"{name}.py", lib / "ansible" / "module_utils")
-    shutil.copy(ROOT / "roles" / "job" / "files" / "dflash-metrics", lib)
+    builder = ROOT / "roles" / "job" / "files" / "dflash-metrics-pyz.py"
+    for out in ("a.pyz", "b.pyz"):
+        subprocess.run([sys.executable, str(builder), str(tmp_path / out), str(ROOT / "module_utils"), *names],
+                       check=True, timeout=60)  # fmt: skip
+    assert (tmp_path / "a.pyz").read_bytes() == (tmp_path / "b.pyz").read_bytes()
     params = {**job(tmp_path), "backend": "daemon", "state_dir": str(tmp_path / "state"),
               "textfile_dir": str(tmp_path / "textfiles"), "node_heartbeat_path": None, "node_rank": 0}
     config = tmp_path / "metrics.json"
     config.write_text(json.dumps(params))
     python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
-    proc = subprocess.run([python, "-I", str(lib / "dflash-metrics"), str(config)], capture_output=True, text=True,
+    proc = subprocess.run([python, "-I", str(tmp_path / "a.pyz"), str(config)], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "textfiles" / "dflash-dflash-train.prom").read_text()
