@@ -80,3 +80,37 @@ def test_a_missing_read_only_source_is_refused_never_created(tmp_path):
     msg = results["typo"]["msg"]
     assert not results["typo"]["ok"] and f"{models} on node-a does not exist (a read-only source is never created)" in msg
     assert not models.exists() and not models.parent.exists()
+
+
+def _hostvars_all(inventory: str) -> dict:
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
+    data = json.loads(subprocess.run([str(Path(sys.executable).parent / "ansible-inventory"), "-i", inventory, "--list"],
+                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=600).stdout)  # fmt: skip
+    return data["_meta"]["hostvars"]
+
+
+def _hostvars(inventory: str) -> dict:
+    return {h: hv for h, hv in _hostvars_all(inventory).items() if "dflash_container_id" in hv}
+
+
+def test_the_examples_mount_the_model_and_data_read_only_and_need_no_nvcc():
+    """What the examples' config reads (target.path, data paths) is a read-only mount; the target is dense, so the
+    kernels role builds nothing (no nvcc); multi-node containers share one template and trainer uid, and pin CPUs."""
+    import yaml
+
+    kernels = load_plugin("kernels", "dflash_kernels")
+    for inventory in ("inventories/proxmox.example", "inventories/proxmox-multinode.example"):
+        for host, hv in _hostvars(inventory).items():
+            config = yaml.safe_load((ROOT / "configs" / hv["dflash_job_base_config"]).read_text())
+            needed = [config["target"]["path"], config["data"]["train_path"], config["data"]["eval_path"]]
+            readonly = [m for m in hv["dflash_container_bind_mounts"] if m.get("readonly")]
+            for path in needed:
+                assert any(path == m["dest"] or path.startswith(m["dest"].rstrip("/") + "/") for m in readonly), (host, path)
+            assert str(hv["dflash_venv_uid"]) == "990", host
+            model_type = "qwen3"  # Qwen3-8B's config.json
+            assert kernels.kernels_for_target(model_type, hv.get("dflash_kernels_fast_path", "auto")) == [], host
+            if "multinode" in inventory:
+                assert hv["dflash_container_pct_template"].startswith("local:vztmpl/debian-12-standard_"), host
+                assert hv["dflash_container_pct_numa_pin"] is True and int(hv["dflash_container_pct_cores"]) >= 8
+                node = _hostvars_all(inventory)[hv["dflash_container_host"]]
+                assert node["dflash_node_pve_guests_wait_mounts"] == ["/mnt/pve/cephfs"]
