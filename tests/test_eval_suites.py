@@ -75,7 +75,13 @@ def test_two_local_suites_print_the_table_and_write_the_json(run, tmp_path, caps
         turns = 2 if name == "mtbench" else 1
         assert suite["rows"] == 2 and suite["num_prompts"] == suite["lossless_prompts"] == 2 * turns
         assert suite["lossless"]
-        assert 1.0 <= suite["acceptance_length"] <= 8
+        # the acceptance length is the committed tokens per verify round, from the rounds themselves: the
+        # histogram's mean, and each prompt's tokens after its prefill token over its rounds
+        histogram = {int(k): n for k, n in suite["histogram"].items()}
+        rounds = sum(histogram.values())
+        assert rounds == sum(p["rounds"] for p in suite["prompts"]) > 0
+        assert sum(k * n for k, n in histogram.items()) == sum(p["new_tokens"] - 1 for p in suite["prompts"])
+        assert suite["acceptance_length"] == pytest.approx(sum(k * n for k, n in histogram.items()) / rounds)
         assert len(suite["per_position_acceptance"]) == 7
         assert all(0.0 <= a <= 1.0 for a in suite["per_position_acceptance"])
         assert f"{suite['acceptance_length']:.3f}" == rows[name][2]

@@ -75,7 +75,11 @@ def test_suite_all_records_each_suites_package_file_data_set_and_template(tiny, 
         lookup = suite["prompt_lookup"]
         assert lookup["num_prompts"] == suite["num_prompts"] and lookup["error"] is None
         assert lookup["lossless_prompts"] == lookup["num_prompts"]
-        assert 1.0 <= lookup["acceptance_length"] <= 8
+        # output tokens per verify forward, the prefill's token and forward left out; a forward commits 1 to 8
+        n = lookup["num_prompts"]
+        assert n <= lookup["target_forwards"] - n <= lookup["new_tokens"] - n <= 8 * (lookup["target_forwards"] - n)
+        assert lookup["acceptance_length"] == pytest.approx(
+            (lookup["new_tokens"] - n) / (lookup["target_forwards"] - n))
         row = next(line.split() for line in printed.splitlines() if line.split()[:1] == [name])
         assert row[-1] == f"{lookup['acceptance_length']:.3f}"
     assert report["suites"]["humaneval"]["template"]["prompt"] == HUMANEVAL + "{prompt}\n```"

