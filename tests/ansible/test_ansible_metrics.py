@@ -253,5 +253,15 @@ def test_a_real_prometheus_scrapes_node_exporter_and_loads_the_rules(tmp_path, n
         pending = until(lambda: [a for a in json.loads(get(f"{api}/alerts"))["data"]["alerts"]
                                  if a["labels"]["alertname"] == "DflashJobHung"], timeout=30)  # fmt: skip
         assert pending and pending[0]["state"] == "pending"
+        # every query of the dashboard runs (its variables: all jobs, all instances); its state row reads 5, hung
+        dashboard = json.loads(DASHBOARD.read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$dflash_job", ".*").replace("$instance", ".*")
+                answer = json.loads(get(f"{api}/query?query={urllib.parse.quote(expr)}"))
+                assert answer["status"] == "success", (panel["title"], expr, answer)
+                if panel["title"] == "Job state":
+                    assert [float(r["value"][1]) for r in answer["data"]["result"]] == [5.0]
+                    assert panel["fieldConfig"]["defaults"]["mappings"][4]["options"]["5"]["text"] == "hung"
     finally:
         server.stop()
