@@ -158,6 +158,9 @@ def _cmd_export(args) -> int:
         if args.out is not None:
             raise BadInput("dflash export --check takes one directory (an export); drop the second argument")
         warnings = check_serving(args.checkpoint)
+        for w in warnings:
+            if w.rule == "llama.cpp":
+                print(f"note: {w}")
         print(f"serving check passed: {args.checkpoint} ({len(warnings)} warning(s))")
         return EXIT_OK
     if args.out is None:

@@ -119,8 +119,9 @@ def check_serving(directory: str | os.PathLike, shown_as: str | os.PathLike | No
     from dflash.models.serving_contract import check_export
 
     errors, warnings = check_export(directory)
-    for w in warnings:  # the llama.cpp note holds for every export: info, not a warning
-        (log.info if w.rule == "llama.cpp" else log.warning)(f"serving check, {shown_as or directory}: {w}")
+    for w in warnings:  # the llama.cpp note holds for every export: `--check` prints it, an export does not
+        if w.rule != "llama.cpp":
+            log.warning(f"serving check, {shown_as or directory}: {w}")
     if errors:
         raise BadInput(f"serving check failed for {shown_as or directory}: " + "; ".join(map(str, errors)))
     return warnings
