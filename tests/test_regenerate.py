@@ -462,6 +462,7 @@ def test_server_backend_equals_the_transformers_backend(tmp_path, server, capsys
     assert srv.chat_requests == manifest["counts"]["regenerated_turns"]
 
 
+@pytest.mark.timeout(600)  # a liveness bound: a backend that retried the refused field forever would hang here
 def test_a_server_that_refuses_vllms_extra_fields_gets_requests_without_them(tmp_path, server, capsys):
     """transformers serve (5.24) answers 422 "Unexpected fields in the request: {'skip_special_tokens'}": the
     backend drops the field from then on, and the answers are the same as the local backend's."""

@@ -248,7 +248,8 @@ class OpenAIServerBackend:
         if params.thinking == "disable":
             body["chat_template_kwargs"] = {"enable_thinking": False}
         url = f"{self.base_url}/chat/completions"
-        while True:
+        # one try, then at most one more per extra field the server can refuse (each refusal drops one for good)
+        for _ in range(len(self._extras) + 1):
             extras = dict(self._extras)
             try:
                 out = self.call("POST", url, {**body, **extras})
@@ -264,6 +265,9 @@ class OpenAIServerBackend:
                                 "cut from the answers instead)", ", ".join(refused), exc.status)
                 for k in refused:
                     self._extras.pop(k, None)
+                last = exc
+        else:
+            raise ServerError(f"POST {url}: the server still refuses a field after it was dropped ({last})")
         try:
             choice = out["choices"][0]
             message = choice["message"]
