@@ -53,15 +53,18 @@ def test_pct_create_makes_an_unprivileged_container_by_default(tmp_path):
 def test_gpu_passthrough_and_mounts_work_for_the_unprivileged_container():
     sys.path.insert(0, str(ROLE / "filter_plugins"))
     try:
-        from dflash_container import nvidia_dev_entries
+        from dflash_container import nvidia_dev_entries, pct_idmap_root
     finally:
         sys.path.pop(0)
     entries = nvidia_dev_entries(["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm"])
     assert all(v.endswith(",mode=0666") for v in entries.values())  # openable by the container's mapped root
     assert (ROLE / "defaults" / "main.yml").read_text().count("dflash_container_gpu_passthrough: devN") == 1
     # bind mounts (the role's own and the inventory's) owned by the mapped root
-    assert "_dflash_container_mapped_root: \"{{ 100000 if dflash_container_pct_unprivileged else 0 }}\"" in \
+    # 100000 unless the container's own config maps its root elsewhere (an `lxc.idmap` line, read by the preflight)
+    assert "{{ (_dflash_container_idmap_root | default(none) or 100000) if dflash_container_pct_unprivileged else 0 }}" in \
         (ROLE / "vars" / "main.yml").read_text()
+    assert pct_idmap_root(["arch: amd64", "lxc.idmap: u 0 200000 65536", "lxc.idmap: g 0 200000 65536"]) == 200000
+    assert pct_idmap_root(["arch: amd64", "unprivileged: 1"]) is None
     for tasks in ("configure.yml", "bind_sources.yml"):
         assert 'owner: "{{ _dflash_container_mapped_root }}"' in (ROLE / "tasks" / "proxmox" / tasks).read_text()
 
