@@ -82,3 +82,17 @@ def test_each_refusal_names_its_fix(tmp_path):
 def test_not_a_proxmox_node(tmp_path):
     got = check(tmp_path, {"PATH": "/usr/bin:/bin"})
     assert "`pveversion -v` gives nothing on pve-gpu01: this is not a Proxmox VE node" in got["problems"][0]
+
+
+def test_a_driver_older_than_the_torch_index_needs_is_refused(tmp_path):
+    env = node(tmp_path)
+    (tmp_path / "version").write_text("570.124.06\n")
+    got = check(tmp_path, env, gpus=True, driver_version_file=str(tmp_path / "version"), torch_index_url="")
+    assert got["problems"] == [
+        "the NVIDIA driver 570.124.06 on pve-gpu01 is older than torch's CUDA 13 build needs (580.65.06 or newer; torch "
+        "index PyPI): set dflash_venv_torch_index_url to https://download.pytorch.org/whl/cu128 (a build that has "
+        "dflash_venv_torch_version), or upgrade the node's driver"]
+    fits = check(tmp_path, env, gpus=True, driver_version_file=str(tmp_path / "version"),
+                 torch_index_url="https://download.pytorch.org/whl/cu128")  # fmt: skip
+    assert fits["problems"] == []
+    assert check(tmp_path, env, gpus=False, driver_version_file=str(tmp_path / "version"))["problems"] == []
