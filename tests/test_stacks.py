@@ -109,6 +109,42 @@ def test_a_rank_dumps_its_stacks_on_sigusr1_and_on_the_watchdogs_sigabrt(tmp_pat
     assert read_stacks(run) == {}  # the new start has not dumped yet
 
 
+RANK_WITH_A_THREAD = """
+import resource, sys, threading, time
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+from dflash import stacks
+stacks.install(sys.argv[1], int(sys.argv[2]))
+
+def stuck_in_data_loader():
+    time.sleep(600)
+
+threading.Thread(target=stuck_in_data_loader, daemon=True).start()
+
+def stuck_in_collective():
+    time.sleep(600)
+
+stuck_in_collective()
+"""
+
+
+def test_a_dump_holds_every_thread_of_the_rank(tmp_path):
+    """A hang is often in another thread than the main one (a data loader, NCCL's watchdog): each dump has all."""
+    run = tmp_path / "run"
+    proc = spawn(RANK_WITH_A_THREAD, str(run), "0")
+    stack_file = run / "stacks" / "rank-0.txt"
+    try:
+        wait_for(lambda: catches(proc.pid, signal.SIGUSR1), "the rank registered its dump handler")
+        proc.send_signal(signal.SIGUSR1)
+        # faulthandler writes the whole dump in one go from its signal handler: once the main thread's frame is
+        # there, so is every other thread's (a dump of the main thread alone ends the wait too, and fails)
+        text = wait_for(lambda: "stuck_in_collective" in stack_file.read_text() and stack_file.read_text(), "the dump")
+        assert "stuck_in_data_loader" in text, text
+        assert any("stuck_in_collective" in f for f in read_stacks(run)[0]["frames"])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_the_launcher_passes_the_dump_signal_on_and_has_its_ranks_dump_before_it_aborts(tmp_path):
     run = tmp_path / "run"
     launcher = spawn(LAUNCHER, RANK, str(run))
