@@ -337,6 +337,8 @@ class Trainer:
             for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):  # when set
                 if getattr(c.drafter, key) is not None:
                     expected[key] = (f"drafter.{key}", getattr(c.drafter, key))
+            for key, value in (check_dflash2(c.drafter.dflash2, "drafter.dflash2") or {}).items():
+                expected[key] = (f"drafter.dflash2.{key}", value)  # where set, the init must be that DFlash2
             self.drafter = load_init_drafter(c.drafter.init_from, expected)
         else:
             arch = arch_from_target(tcfg, num_layers=c.drafter.num_layers, block_size=c.drafter.block_size,

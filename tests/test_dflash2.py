@@ -361,6 +361,28 @@ def test_the_exported_dflash2_forward_and_decoding_are_the_drafters_and_lossless
         assert spec.tokens == ref.tokens == want_ids[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("dflash2,message", [
+    ({"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6},
+     "has selector_top_k 4 but drafter.dflash2.selector_top_k is 6"),
+    (None, None),  # no drafter.dflash2: the init's DFlash2 trains
+])
+def test_init_from_a_dflash2_export_checks_drafter_dflash2_where_set(trained2, tmp_path, capsys, dflash2, message):
+    d = copy.deepcopy(trained2["dict"])
+    d["output_dir"] = str(tmp_path / "run")
+    d["drafter"]["init_from"] = str(trained2["float32"])
+    d["drafter"]["dflash2"] = dflash2 and {**dflash2, "output_multiplier": 0.5, "final_logit_softcapping": 20.0}
+    d["optim"]["max_steps"] = 1
+    d["eval"]["speculative_prompts"] = 0
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(d))
+    if message is None:
+        assert main(["train", str(path)]) == 0
+        return
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
 def test_a_dflash2_run_config_with_a_bad_field_exits_2_naming_it(tmp_path, capsys):
     d = tiny_dflash2_dict(tmp_path / "run")
     d["drafter"]["dflash2"]["selector_top_k"] = 0

@@ -610,7 +610,10 @@ RESUME_KEYS = {"num_hidden_layers": "drafter.num_layers", "block_size": "drafter
                "target_layer_ids": "target.layer_ids", "mask_token_id": "drafter.mask_token_id",
                "intermediate_size": "drafter.intermediate_size", "num_attention_heads": "drafter.num_attention_heads",
                "num_key_value_heads": "drafter.num_key_value_heads", "hidden_size": "the target's hidden_size",
-               "head_dim": "the target's head_dim", "vocab_size": "the target's vocab_size"}
+               "head_dim": "the target's head_dim", "vocab_size": "the target's vocab_size",
+               **{k: f"drafter.dflash2.{k}" for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                      "selector_top_k", "output_multiplier",
+                                                      "final_logit_softcapping")}}
 
 
 def check_resumable(saved: DrafterArch, current: DrafterArch, path: Any) -> None:
