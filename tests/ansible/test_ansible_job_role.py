@@ -51,10 +51,17 @@ FAKE_PYTHON = textwrap.dedent(f"""\
         beat("stopped")
         sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
+    # While OUT/fake-starting exists the job reads `starting` (a target still loading); a new start removes it.
+    flag = out + "/fake-starting"
+    if os.path.exists(flag):
+        os.unlink(flag)
     while True:
-        step += 1
-        print(f"step {{step}} epoch 0 loss 3.2100 acc@1 0.120 tau 1.05 tok/s 1234 lr 6.00e-04 mem 0.10GiB", flush=True)
-        beat("training")
+        if os.path.exists(flag):
+            beat("starting")
+        else:
+            step += 1
+            print(f"step {{step}} epoch 0 loss 3.2100 acc@1 0.120 tau 1.05 tok/s 1234 lr 6.00e-04 mem 0.10GiB", flush=True)
+            beat("training")
         time.sleep(0.2)
 """)
 
@@ -123,6 +130,16 @@ def role_run(tmp_path_factory):
         {"name": "Read the code release after the rollback", "ansible.builtin.stat": {"path": str(tmp / "opt" / "current")},
          "register": "current_after_rollback"},
         _include(dflash_job_config={"seed": 1}), _keep("recovered"),
+        # The job is `starting` (not yet training) when a release that fails at its start is deployed: rolled back.
+        {"name": "Make the job read starting", "ansible.builtin.copy": {"dest": str(tmp / "run" / "fake-starting"),
+                                                                        "content": "", "mode": "0644"}},
+        {"name": "Wait for its starting heartbeat", "ansible.builtin.wait_for": {
+            "path": str(tmp / "run" / "heartbeat.json"), "search_regex": '"status": "starting"', "timeout": 300}},
+        {"name": "Crash while starting", "block": [_include(dflash_job_config={"fake_error": "data.train_path /z does not exist"},
+                                                            dflash_job_validate_config=False)],
+         "rescue": [{"name": "Keep the failure while starting", "ansible.builtin.set_fact": {"crash_starting": "{{ ansible_failed_result }}"}}]},
+        {"name": "Status after the rollback of a starting job", "ansible.builtin.include_role": {"name": "job", "tasks_from": "status.yml"}},
+        {"name": "Keep that status", "ansible.builtin.set_fact": {"after_starting_rollback": "{{ dflash_job_health }}"}},
         {"name": "Stop on purpose", "ansible.builtin.include_role": {"name": "job", "tasks_from": "stop.yml"}},
         {"name": "Status of the stopped job", "ansible.builtin.include_role": {"name": "job", "tasks_from": "status.yml"}},
         {"name": "Keep that", "ansible.builtin.set_fact": {"stopped": "{{ dflash_job_health }}"}},
@@ -140,7 +157,9 @@ def role_run(tmp_path_factory):
                                                               " 'config_after_rollback': config_after_rollback.content | b64decode,"
                                                               " 'current_before': current_before.stat.lnk_source,"
                                                               " 'current_after_rollback': current_after_rollback.stat.lnk_source,"
-                                                              " 'watchdog_first': (supervisor_first.content | b64decode | from_json).watchdog} | to_json }}"}},
+                                                              " 'watchdog_first': (supervisor_first.content | b64decode | from_json).watchdog,"
+                                                              " 'crash_starting': crash_starting | default(none),"
+                                                              " 'after_starting_rollback': after_starting_rollback} | to_json }}"}},
     ]  # fmt: skip
     (tmp / "play.yml").write_text(yaml.safe_dump([{"name": "Job role", "hosts": "dflash_containers", "gather_facts": False, "tasks": tasks}], sort_keys=False))
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp / ".ansible-tmp")}
@@ -206,6 +225,16 @@ def test_new_release_that_fails_at_start_is_rolled_back(role_run):
     assert role_run["current_after_rollback"] == role_run["current_before"]  # the previous code release
     assert (role_run["_tmp"] / "etc" / "job.yaml.previous").stat().st_mode & 0o777 == 0o644
     assert (role_run["_tmp"] / "etc" / "job.yaml.launch.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_release_failing_at_start_is_rolled_back_when_the_job_was_still_starting(role_run):
+    """A job deployed over while it loads (`starting`: no step yet) is a job to go back to, as a training one is."""
+    crash = role_run["crash_starting"]
+    assert crash is not None, "the deploy of a release that fails at start did not fail"
+    head = crash["msg"].splitlines()[0]
+    assert " ROLLED BACK: the new release did not train on here (unit failed: exit status 2): " in head, head
+    assert head.endswith("dflash: error: data.train_path /z does not exist"), head
+    assert role_run["after_starting_rollback"]["state"] == "training"
 
 
 def test_rejected_config_leaves_config_code_and_job_as_they_were(role_run):
