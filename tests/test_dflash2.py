@@ -276,7 +276,8 @@ def tiny_dflash2_dict(output_dir: Path) -> dict:
     d["optim"]["max_steps"] = 4
     d["checkpoint"]["interval"] = 2
     d["logging"]["interval"] = 1
-    d["logging"]["eval_interval"] = 0
+    d["logging"]["eval_interval"] = 0  # one eval at the end: real speculative decoding inside the trainer
+    d["eval"]["speculative_prompts"] = 3
     d["drafter"].update(layer_types=["sliding_attention", "sliding_attention"], sliding_window=6,
                         dflash2={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
                                  "selector_top_k": 4, "output_multiplier": 0.5, "final_logit_softcapping": 20.0})
@@ -310,6 +311,8 @@ def test_a_tiny_dflash2_trains_exports_and_loads_everywhere(trained2, tmp_path):
     log = [json.loads(line) for line in (trained2["run"] / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
     assert losses and all(math.isfinite(x) for x in losses)
+    evals = [r for r in log if r.get("kind") == "eval"]
+    assert evals and evals[-1]["lossless"] is True and evals[-1]["acceptance_length"] >= 1.0
     # AutoModel (trust_remote_code): the exported weights, bit for bit
     model = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype="auto").eval()
     assert type(model).__name__ == "DFlash2DraftModel"
