@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -120,10 +120,16 @@ def iter_conversations(path: str | os.PathLike,
         yield number, where, normalize_messages(row, where)
 
 
-def read_conversations(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], list[int]]:
-    """Every conversation of a prompt file and its row (JSONL: line) number."""
+def read_conversations(path: str | os.PathLike, check: Callable[[list[dict[str, str]]], str | None] | None = None,
+                       missing_hint: str = "pass an existing prompt file (JSONL, JSON or parquet)",
+                       ) -> tuple[list[list[dict[str, str]]], list[int]]:
+    """Every conversation of a prompt file and its row (JSONL: line) number. `check` returns what is wrong with a
+    conversation (or None): a DataError naming the file and row."""
     conversations, numbers = [], []
-    for number, _, messages in iter_conversations(path):
+    for number, where, messages in iter_conversations(path, missing_hint):
+        problem = check(messages) if check is not None else None
+        if problem:
+            raise DataError(f"{where}: {problem}")
         conversations.append(messages)
         numbers.append(number)
     if not conversations:

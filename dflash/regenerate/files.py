@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash.data.prompts import iter_conversations
-from dflash.errors import BadInput, DataError
+from dflash.data import prompts
+from dflash.errors import BadInput
 from dflash.fileio import atomic_file, fsync_path, sha256_file  # noqa: F401 - sha256_file re-exported
 from dflash.regenerate.core import conversation_problem
 
@@ -21,16 +21,7 @@ def read_conversations(path: str | os.PathLike) -> tuple[list[list[dict[str, str
     """Every row of a prompt file (`messages` role/content or ShareGPT `conversations` from/value; JSONL, or
     JSON/parquet through `datasets`: dflash/data/prompts.py), checked before anything is generated; errors
     name the file and line (row). Returns the conversations and their line (row) numbers."""
-    conversations, lines = [], []
-    for lineno, where, messages in iter_conversations(path, "pass an existing chat JSONL file"):
-        problem = conversation_problem(messages)
-        if problem:
-            raise DataError(f"{where}: {problem}")
-        conversations.append(messages)
-        lines.append(lineno)
-    if not conversations:
-        raise DataError(f"input file '{path}' holds no conversations")
-    return conversations, lines
+    return prompts.read_conversations(path, conversation_problem, "pass an existing chat JSONL file")
 
 
 def digest(obj: Any) -> str:
