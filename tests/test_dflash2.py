@@ -39,22 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
 
 # z-lab's DFlash2 config.json as published (z-lab/dflash tests/fixtures/dflash2-config.json,
-# commit 0a7587c04af47b56024ef80f44c0926e795a540b)
-RELEASED = json.loads("""{
-  "architectures": ["DFlash2DraftModel"], "attention_bias": false, "attention_dropout": 0.0,
-  "bos_token_id": 200000, "is_causal": false,
-  "dflash_config": {"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2,
-    "final_logit_softcapping": 20.0, "mask_token_id": 201818, "output_multiplier": 0.19611613513818404,
-    "selector_rank": 256, "selector_top_k": 16, "target_layer_ids": [1, 13, 25, 37, 49]},
-  "dtype": "bfloat16", "eos_token_id": 200001, "head_dim": 128, "hidden_act": "silu", "hidden_size": 6656,
-  "initializer_range": 0.02, "intermediate_size": 19968,
-  "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
-                  "sliding_attention"],
-  "max_position_embeddings": 131072, "max_window_layers": 5, "model_type": "qwen3", "num_attention_heads": 32,
-  "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 52, "pad_token_id": 200018,
-  "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-  "sliding_window": 2048, "tie_word_embeddings": false, "transformers_version": "5.15.0", "use_cache": false,
-  "use_sliding_window": true, "vocab_size": 202048}""")
+# commit 0a7587c04af47b56024ef80f44c0926e795a540b), every key and value kept
+RELEASED = json.loads((Path(__file__).parent / "data" / "dflash2-released-config.json").read_text())
 # shapes of the published weights (z-lab/dflash tests/fixtures/dflash2-safetensors-header.json, layer 0)
 RELEASED_SHAPES = {
     "candidate_selector.hidden_projection.weight": (256, 6656),

@@ -78,7 +78,6 @@ PLANTED = {
                          "dflash_utils.py"),
     "block_size": (lambda c: c.update(block_size=8), "block_size", "dflash_utils.py"),
     "rope": (lambda c: c["rope_parameters"].update(rope_theta=5.0), "rope", "qwen3_dflash.py"),
-    "rope_missing": (lambda c: c.pop("rope_theta"), "rope", "qwen3_dflash.py"),
     "layer_types": (lambda c: c.update(layer_types=["sliding_attention"]), "layer_types", "qwen3_dflash.py"),
     "window": (lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=None), "sliding_window",
                "qwen3_dflash.py"),
@@ -143,3 +142,31 @@ def test_check_of_a_directory_without_weights_exits_2(tmp_path, capsys):
     (tmp_path / "copy" / "model.safetensors").unlink()
     assert main(["export", str(tmp_path / "copy"), "--check"]) == 2
     assert "[files]" in capsys.readouterr().err
+
+
+def test_a_released_layout_dflash2_directory_passes_and_warm_starts(tmp_path, capsys):
+    """z-lab's published DFlash2 config.json, every key kept, scaled down to a tiny geometry, with bf16 weights of the
+    published names: `dflash export --check` passes (a one-spelling RoPE is a warning) and init_from loads it."""
+    from dflash.export import load_init_drafter
+    from dflash.models.serving_contract import expected_shapes
+
+    released = json.loads((Path(__file__).parent / "data" / "dflash2-released-config.json").read_text())
+    cfg = {**released, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 60, "num_hidden_layers": 2,
+           "layer_types": ["sliding_attention"] * 2, "max_window_layers": 2, "num_target_layers": 6,
+           "dflash_config": {**released["dflash_config"], "target_layer_ids": [1, 3], "mask_token_id": 59,
+                             "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 3}}
+    directory = tmp_path / "released"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    save_file({k: torch.randn(shape).bfloat16() for k, shape in expected_shapes(cfg).items()},
+              str(directory / "model.safetensors"))
+    errors, warnings = check_export(directory)
+    assert errors == [] and "rope" in {w.rule for w in warnings}
+    assert main(["export", str(directory), "--check"]) == 0
+    drafter = load_init_drafter(directory, {"block_size": ("drafter.block_size", 16)})
+    assert drafter.arch.dflash2 and drafter.arch.selector_top_k == 3 and drafter.arch.rope_theta == 500000.0
+    assert drafter.arch.final_logit_softcapping == 20.0 and drafter.arch.is_causal is False
+    state = load_file(str(directory / "model.safetensors"))
+    assert all(torch.equal(drafter.state_dict()[k], v.float()) for k, v in state.items())

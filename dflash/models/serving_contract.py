@@ -176,9 +176,10 @@ def check_export(directory: str | Path) -> tuple[list[Finding], list[Finding]]:
 
     params = cfg.get("rope_parameters") or {}
     theta, ptheta = cfg.get("rope_theta"), params.get("rope_theta")
-    if theta is None or ptheta is None:
-        err("rope", VLLM_DFLASH, "write both rope_theta (transformers 4.x, SGLang) and rope_parameters.rope_theta "
-            "(transformers 5, vLLM's config.rope_parameters); a missing one is read as the default 10000")
+    if theta is None or ptheta is None:  # z-lab's released DFlash2 config.json has rope_parameters only
+        warn("rope", VLLM_DFLASH, f"only {'rope_parameters.rope_theta' if theta is None else 'rope_theta'} is "
+             "written: transformers 5 (vLLM's config.rope_parameters) converts one spelling into the other, readers "
+             "on transformers 4.x take rope_theta alone (default 10000); write both for them")
     elif float(theta) != float(ptheta):
         err("rope", VLLM_DFLASH, f"rope_theta {theta} and rope_parameters.rope_theta {ptheta} disagree")
     scaling = cfg.get("rope_scaling")
