@@ -84,16 +84,18 @@ def raise_if_full(exc: BaseException, path: str | os.PathLike) -> None:
 
 
 @contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
-    """Write `path` whole or not at all: into a hidden temp sibling, fsynced and renamed over `path` when the
-    block ends; on any error the temp file is removed and an out-of-space error becomes DiskFull."""
+def atomic_file(path: str | os.PathLike, mode: str = "w", durable: bool = True) -> Iterator[IO]:
+    """Write `path` whole or not at all: into a hidden temp sibling, fsynced (unless not `durable`: a cache that
+    is rebuilt if lost) and renamed over `path` when the block ends; on any error the temp file is removed and an
+    out-of-space error becomes DiskFull."""
     path = Path(path)
     tmp = temp_sibling(path)
     try:
         with open(tmp, mode) as fh:
             yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)

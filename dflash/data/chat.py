@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dflash.errors import DataError
-from dflash.fileio import sha256_file, temp_sibling
+from dflash.fileio import atomic_file, sha256_file
 from dflash.logs import get_logger
 
 log = get_logger(__name__)
@@ -201,6 +201,5 @@ def _write_cache(cache_file: Path, data: TokenizedSet) -> None:
         "dropped": data.dropped_few_loss_tokens,
         "truncated": data.truncated,
     }
-    tmp = temp_sibling(cache_file)
-    torch.save(blob, tmp)
-    os.replace(tmp, cache_file)
+    with atomic_file(cache_file, "wb", durable=False) as fh:  # a cache: rebuilt from the data if lost
+        torch.save(blob, fh)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dflash.fileio import temp_sibling
+from dflash.fileio import atomic_file
 from dflash.models.target import DTYPES
 
 
@@ -45,7 +45,7 @@ class FeatureCache:
     def features(self, batch, compute) -> torch.Tensor:
         """The features of `batch` (b, L, n*H): from the files when every row is cached, else `compute(batch)`
         (whose missing rows are then written)."""
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file, save
 
         host = batch.on_host
         lengths = [int(n) for n in host.lengths]
@@ -64,9 +64,8 @@ class FeatureCache:
             self.misses += 1
             path.parent.mkdir(exist_ok=True)
             row = features[r, :n].detach().to("cpu", self.dtype).contiguous()
-            tmp = temp_sibling(path)
-            save_file({"features": row}, str(tmp))
-            os.replace(tmp, path)
+            with atomic_file(path, "wb", durable=False) as fh:  # a cache: computed again if lost
+                fh.write(save({"features": row}))
             self.bytes_written += row.numel() * row.element_size()
         return features
 
