@@ -6,6 +6,12 @@
 #   bash bench/real_recipe.sh regen   [MAX_SECONDS]    # convert, then answer data/smollm2/{pool,held-out}.jsonl
 #   bash bench/real_recipe.sh train   [OVERRIDES...]   # train on the answers; the trainer's held-out eval at the end
 #   bash bench/real_recipe.sh eval    [SUITES] [LIMIT] # the suites table of the trained drafter (default all, 20)
+#   bash bench/real_recipe.sh all     [REGEN_S] [TRAIN_S] # all three in a row, each stage time-boxed (see below)
+# `all` is for a GPU lent in calls of at most 10 minutes: start it in the background in the first call
+#   (nohup bash bench/real_recipe.sh all 900 780 >/root/real-all.log 2>&1 &), then poll in calls that each begin
+#   within the machine's idle window (sleep 580; cp -r /tmp/real-recipe /root/real-all.log $OUT/). Training is
+#   stopped by SIGTERM after TRAIN_S (the trainer checkpoints and exits 0) unless optim.max_steps ends it first
+#   (TRAIN_STEPS, default 2400: about 13 minutes at the 35-37k tokens/s measured on one H200).
 # regen stops after MAX_SECONDS (default 480) and a second call resumes it (dflash regenerate's shards). CONFIG
 # (default configs/smollm2-gpu.yaml) and RUN_DIR (default /dev/shm/smollm2-gpu) choose the recipe and where it
 # runs; the logs, metrics and eval JSON go to $OUT (default /tmp/real-recipe).
@@ -51,5 +57,17 @@ case "$stage" in
     echo "eval: $((SECONDS - t0)) s"
     grep -v "Loading weights" "$out/eval-${suites//,/-}.log" | tail -20
     ;;
-  *) echo "say regen, train or eval" >&2; exit 2 ;;
+  all)
+    regen_s="${1:-900}"
+    train_s="${2:-780}"
+    bash "$0" regen "$regen_s"
+    t0=$SECONDS
+    # SIGTERM after train_s: the trainer saves a checkpoint at its next step and exits 0 (docs/architecture.md)
+    timeout -s TERM -k 120 "$train_s" python3 -m dflash train "$cfg" "output_dir=$run" \
+      "optim.max_steps=${TRAIN_STEPS:-2400}" >"$out/train.log" 2>&1 || { rc=$?; [[ $rc == 124 ]] || { tail -40 "$out/train.log"; exit 1; }; }
+    echo "train: $((SECONDS - t0)) s"
+    grep -E "^data:|eval step|done:|stopped" "$out/train.log" | cut -c1-400 || true
+    bash "$0" eval all "${SUITE_LIMIT:-20}"
+    ;;
+  *) echo "say regen, train, eval or all" >&2; exit 2 ;;
 esac
