@@ -195,6 +195,7 @@ class WandbConfig:
     project: str = "dflash"
     entity: str | None = None
     mode: Literal["online", "offline", "disabled"] | None = None  # null: WANDB_MODE, else online
+    init_timeout: float = 60.0  # seconds wandb.init may take (an unreachable server: one warning after it)
 
 
 @dataclass

@@ -132,7 +132,7 @@ class WandbTracker(Tracker):
         self._wandb = wandb
         self.run = wandb.init(project=options.project, entity=options.entity, name=run_name, id=run_id,
                               resume="allow", dir=str(out_dir), mode=options.mode,
-                              settings=wandb.Settings(silent=True, init_timeout=60, console="off"))
+                              settings=wandb.Settings(silent=True, init_timeout=options.init_timeout, console="off"))
 
     def params(self, params: dict[str, Any]) -> None:
         self.run.config.update(flatten(params), allow_val_change=True)

@@ -139,6 +139,27 @@ def test_an_unreachable_tracker_is_one_warning_and_training_goes_on(tiny_config,
     assert tensorboard_scalars(Path(cfg.output_dir))["train/loss"]
 
 
+def test_an_unreachable_wandb_is_one_warning_after_its_init_timeout(tiny_config, monkeypatch, caplog):
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tiny_config
+    cfg.optim.max_steps = 2
+    cfg.eval.speculative_prompts = 0
+    cfg.logging.trackers = ["tensorboard", "wandb"]
+    cfg.logging.wandb.mode = "online"
+    cfg.logging.wandb.init_timeout = 3
+    with caplog.at_level(logging.WARNING):
+        result = Trainer(cfg).setup().run()
+    assert result["step"] == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "tracker wandb" in r.getMessage()]
+    assert len(warnings) == 1 and "training goes on" in warnings[0], warnings
+    assert tensorboard_scalars(Path(cfg.output_dir))["train/loss"]
+
+
 def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning(caplog):
     from dflash.trackers import RunTrackers, Tracker
 
