@@ -402,3 +402,30 @@ def test_acceptance_is_bucketed_by_output_position():
     short.add_rounds([3, 2, 5])
     assert [b["bucket"] for b in short.acceptance_by_position()] == ["0-512"]
     assert "acceptance by output position" not in short.render()  # one bucket: nothing to compare
+
+
+def test_the_cached_decoding_path_computes_the_training_forward():
+    """DrafterSession (real decoding: context K/V cached, appended in parts) gives the training forward's block
+    hidden states for a DFlash2 drafter with sliding non-causal layers, and proposes the selector's picks."""
+    from dflash.speculative import DrafterSession
+
+    hf = build_hf_model(None, {"model_type": "qwen3", "vocab_size": 60, "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "head_dim": 8}, "float32", seed=0).eval()
+    target = Target(hf, [1, 3])
+    drafter = randomized(tiny_arch(window=5, block_size=8))
+    ids = torch.randint(2, 59, (1, 24), generator=torch.Generator().manual_seed(1))
+    feats = target.features(ids)
+    for anchor in (3, 14):
+        block = torch.full((8,), 59)
+        block[0] = ids[0, anchor]
+        with torch.no_grad():
+            want = drafter(feats, block[None, None], torch.tensor([[anchor]]), target.embed_tokens)[0, 0]
+        session = DrafterSession(drafter, target)
+        session.append(feats[0, : anchor // 2])
+        session.append(feats[0, anchor // 2: anchor])
+        torch.testing.assert_close(session.hidden(block), want, atol=1e-5, rtol=1e-5)
+        proposed = session.propose(int(block[0]), None)
+        head = target.lm_head.weight
+        picks = drafter.candidate_selector.select(want[1:], drafter.logits(want[1:], head), block[0])
+        assert proposed[1:].tolist() == picks.tolist()
