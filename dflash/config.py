@@ -530,7 +530,13 @@ def validate(config: RunConfig) -> None:
     _require(not d.float8_head or d.loss_impl == "fused", "drafter.float8_head runs in the fused loss; set "
              "drafter.loss_impl: fused, or drafter.float8_head: false")
     check_layout(d.layer_types, d.sliding_window, d.num_layers, "drafter.layer_types", "drafter.sliding_window")
-    check_dflash2(d.dflash2, "drafter.dflash2")
+    dflash2 = check_dflash2(d.dflash2, "drafter.dflash2")
+    hidden = (t.random_init or {}).get("hidden_size")  # a target.path's width is checked when the drafter is built
+    _require(not dflash2 or not isinstance(hidden, int) or hidden % dflash2["conv_group_size"] == 0,
+             f"drafter.dflash2.conv_group_size {(dflash2 or {}).get('conv_group_size')} does not divide hidden_size "
+             f"{hidden} (the target's); use a divisor (e.g. 16)")
+    _require(d.dflash2 is None or not d.float8_head, "drafter.float8_head is the fused DFlash loss's; a DFlash2 "
+             "drafter's loss (scaled, soft-capped logits and the selector) runs unfused: set drafter.float8_head: false")
     _require(data.synthetic is not None or data.train_path is not None,
              "data: set data.train_path (a JSONL file) or data.synthetic (generated data)")
     if data.train_path is not None and data.synthetic is None:

@@ -372,14 +372,24 @@ def test_init_from_a_dflash2_export_checks_drafter_dflash2_where_set(trained2, t
     assert message in err and err.count("\n") == 1, err
 
 
-def test_a_dflash2_run_config_with_a_bad_field_exits_2_naming_it(tmp_path, capsys):
+@pytest.mark.parametrize("change,message", [
+    ({"dflash2": {"selector_top_k": 0}}, "drafter.dflash2.selector_top_k must be a positive integer"),
+    ({"dflash2": {"conv_taps": 2}}, "drafter.dflash2 has unknown keys conv_taps"),
+    ({"dflash2": {"conv_group_size": 48}}, "conv_group_size 48 does not divide hidden_size 64"),
+    ({"float8": True, "float8_head": True}, "drafter.float8_head is the fused DFlash loss's"),
+], ids=["top_k", "unknown", "group", "float8_head"])
+def test_a_dflash2_run_config_with_a_bad_field_exits_2_naming_it(tmp_path, capsys, change, message):
     d = tiny_dflash2_dict(tmp_path / "run")
-    d["drafter"]["dflash2"]["selector_top_k"] = 0
+    for key, value in change.items():
+        if key == "dflash2":
+            d["drafter"]["dflash2"].update(value)
+        else:
+            d["drafter"][key] = value
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(d))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "drafter.dflash2.selector_top_k" in err and err.count("\n") == 1
+    assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
 
 
