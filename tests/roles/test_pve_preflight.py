@@ -96,3 +96,15 @@ def test_a_driver_older_than_the_torch_index_needs_is_refused(tmp_path):
                  torch_index_url="https://download.pytorch.org/whl/cu128")  # fmt: skip
     assert fits["problems"] == []
     assert check(tmp_path, env, gpus=False, driver_version_file=str(tmp_path / "version"))["problems"] == []
+
+
+def test_the_provision_runs_the_preflight_before_the_node_role_and_the_containers():
+    import yaml
+
+    plays = yaml.safe_load((ROOT / "playbooks" / "provision.yml").read_text())
+    names = [p["name"] for p in plays]
+    preflight = names.index("Preflight on the nodes")
+    node = next(i for i, p in enumerate(plays) if "node" in [r["role"] if isinstance(r, dict) else r for r in p.get("roles") or []])
+    assert preflight < node
+    include = plays[preflight]["tasks"][0]["ansible.builtin.include_role"]
+    assert include["name"] == "container" and include["tasks_from"] == "preflight.yml"
