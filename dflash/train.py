@@ -8,13 +8,13 @@ One `Trainer` serves every topology; what differs is given to it (docs/architect
 * a step reducer, how the ranks' steps meet: `SingleProcess` or `dflash.distributed.ranks.DataParallel`.
 
 The evals are `dflash.evaluate.Evaluator`'s: the trainer builds one at setup and calls it at every
-`logging.eval_interval` and at the end; what it keeps of an eval is the best checkpoint (`_keep_if_best`).
+`logging.eval_interval` and at the end; what it keeps of an eval is the best checkpoint (`Checkpointer.keep_if_best`). Which checkpoint a start resumes
+from, the resume contract, the saves and the best pointer are dflash/checkpointer.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
 import time
@@ -24,13 +24,14 @@ from typing import Any, Protocol
 import torch
 
 from dflash import failures, step_graph, stop
-from dflash.checkpoint import CheckpointManager, RNGState, check_contract, ensure_writable
+from dflash.checkpoint import CheckpointManager, ensure_writable
+from dflash.checkpointer import Checkpointer
 from dflash.compile import compile_drafter, compile_target_layers, configure_for_run, flash_version
-from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, check_dflash2, default_gamma
+from dflash.config import RunConfig, check_dflash2, default_gamma
 from dflash.data.buckets import Batch
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
-from dflash.errors import BadInput, Diverged
+from dflash.errors import BadInput
 from dflash.evaluate import Evaluator, TargetFeatures
 from dflash.float8 import check_float8, check_float8_head, convert_linears, float8_linears, target_float8
 from dflash.flops import drafter_step_flops, peak_flops
@@ -50,12 +51,11 @@ from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model, require_fast_path
 from dflash.notify import Notifier
 from dflash.observability import RunObserver
-from dflash.stacks import previous_end, resume_note
+from dflash.stacks import previous_end
 from dflash.trackers import open_trackers
 
 log = get_logger(__name__)
 
-LAYOUT_KEYS = ("drafter.layer_types", "drafter.sliding_window")  # the attention layout in the resume contract
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -204,7 +204,6 @@ class Trainer:
         self._device = device  # set by dflash.distributed (the rank's GPU); else runtime.device
         self.step = 0
         self.input_seconds = 0.0  # time spent obtaining inputs since the last report window
-        self.accepted_changes: dict[str, tuple[Any, Any]] = {}  # resume-contract changes allowed by the config
         self.previous_end: dict[str, Any] | None = None  # how the previous start ended (dflash/stacks.py)
         self.step_graphs: step_graph.StepGraphs | None = None  # the drafter step's CUDA graphs, where it captures
 
@@ -257,10 +256,7 @@ class Trainer:
         if c.runtime.num_threads:
             torch.set_num_threads(c.runtime.num_threads)
         out = Path(c.output_dir)
-        ckpt_dir = ensure_writable(out / "checkpoints")
-        self.ckpt = CheckpointManager(ckpt_dir, c.checkpoint.keep_last)  # directories only, until the state exists
-        if self.is_reporter:
-            self.ckpt.recover()  # temp dirs of a killed save, a lagging `latest` pointer
+        self.checkpointer = Checkpointer(c, ensure_writable(out / "checkpoints"), self.is_reporter)
         layer_ids = layer_ids_of(c)
         self.device = self._device or pick_device(c.runtime.device)
         if c.drafter.float8:  # before any model loads
@@ -274,11 +270,8 @@ class Trainer:
         self.observer.heartbeat(0, 0, "starting")
         self.compile_plan, compile_line = configure_for_run(c.compile, c.output_dir, self.device)
         self.observer.event(compile_line)
-        self.layout = self._trained_layout()  # before any model loads: an init_from that conflicts stops us here
-        resume_from = self._resume_candidate()  # so do damaged checkpoints
-        self.accepted_changes = self._check_resume_contract(resume_from, layer_ids)  # so do changed settings
-        if resume_from is None and self.is_reporter:
-            self.ckpt.drop_best("a fresh start (checkpoint.resume=false)")
+        # before any model loads: a conflicting init_from, damaged checkpoints and changed settings stop here
+        resume_from = self.checkpointer.plan(layer_ids)
         target = self.source.open(c, layer_ids, self.device) if with_target else None
         self.inputs: RunInputs = build_run_inputs(c, target, layer_ids)
         if target is not None and c.target.float8:  # after regeneration too: it decodes in the target's dtype
@@ -293,12 +286,8 @@ class Trainer:
                                            self.block_pass, forward=self.drafter.forward, autocast=self.autocast,
                                            observer=self.observer)
         self._build_optimizer()
-        # the checkpoint holds the stateful parts; restored in this order (the RNG last: loading draws from it)
-        self.ckpt = CheckpointManager(ckpt_dir, c.checkpoint.keep_last, model=self.drafter,
-                                      states={"optimizer": self.optimizer, "scheduler": self.scheduler,
-                                              "sampler": self.sampler, "rng": RNGState()}, train_state=self,
-                                      contract=self.resume_contract(layer_ids))
-        self.resume(resume_from)
+        self.checkpointer.attach(self, layer_ids)
+        self.checkpointer.load(resume_from, self.previous_end)
         if with_target:
             self.source.connect(self)
         self.train_model = self.reducer.wrap(self.drafter, self.step)
@@ -414,148 +403,12 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
 
+    @property
+    def ckpt(self) -> CheckpointManager:
+        return self.checkpointer.store
+
     def save_checkpoint(self) -> Path | None:
-        # every rank (DDP: the same weights, the same answer): weights that overflowed are never saved
-        finite = torch.stack([torch.isfinite(p).all() for p in self.drafter.parameters()]).all()
-        if not bool(finite):  # one device sync, not one per parameter
-            raise self._diverged(f"the drafter's weights are not finite after step {self.step}")
-        if not self.is_reporter:
-            return None
-        path = self.ckpt.save_state(self.step)
-        self.observer.event(f"checkpoint: {path}")
-        return path
-
-    def _diverged(self, what: str) -> Diverged:
-        """Training diverged (docs/troubleshooting.md): no checkpoint is written with these weights."""
-        saved = self.ckpt.list()
-        return Diverged(f"training diverged: {what}; lower optim.lr (it is {self.config.optim.lr:g}) or check the "
-                        f"data; no checkpoint was written with these weights (the last one: "
-                        f"{saved[-1] if saved else 'none'})")
-
-    def _resume_candidate(self) -> Path | None:
-        """The newest intact checkpoint to resume from (None: start at step 0).
-
-        Checkpoints that are all damaged stop the run (exit 2) instead of being overwritten by a fresh start;
-        checkpoint.resume=false starts fresh on purpose."""
-        if not self.config.checkpoint.resume:
-            return None
-        path = self.ckpt.latest_valid()
-        existing = self.ckpt.list()
-        if path is None and existing:
-            problem = CheckpointManager.verify(existing[-1])
-            raise BadInput(f"every checkpoint in '{self.ckpt.dir}' is damaged ({len(existing)} found; newest "
-                           f"{existing[-1].name}: {problem}); refusing to start over them from step 0. Restore "
-                           "a good copy, or set checkpoint.resume=false to start fresh")
-        return path
-
-    def _trained_layout(self) -> tuple[list[str] | None, int | None]:
-        """(layer_types, sliding_window) the drafter trains with: the config's; with drafter.init_from, the init's
-        (read from its config.json), which a config that sets them must equal (else exit 2 naming both)."""
-        d = self.config.drafter
-        if not d.init_from:
-            return d.layer_types, d.sliding_window
-        from dflash.export import check_init_layout, init_arch, layout_text
-
-        src, arch = init_arch(d.init_from)
-        check_init_layout(src, arch, d.layer_types, d.sliding_window)
-        if d.layer_types is not None or d.sliding_window is not None:
-            return d.layer_types, d.sliding_window
-        if arch.layer_types:
-            shown = layout_text(arch.layer_types, arch.sliding_window)
-            log.info(f"drafter: the attention layout of drafter.init_from: {shown}")
-        return arch.layer_types, arch.sliding_window
-
-    def resume_contract(self, layer_ids: list[int]) -> dict[str, Any]:
-        """The settings that change the loss or the drafter's layout, as resolved for this run (config key ->
-        value): recorded in every checkpoint, compared on resume. The layout is the one trained (`layout`: the
-        init's where drafter.init_from gives it)."""
-        d = self.config.drafter
-        contract: dict[str, Any] = {
-            "drafter.block_size": d.block_size, "drafter.gamma": d.gamma or default_gamma(d.block_size),
-            "drafter.num_anchors": d.num_anchors, "drafter.loss_impl": d.loss_impl,
-            "drafter.num_layers": d.num_layers, "target.layer_ids": list(layer_ids)}
-        layout = dict(zip(LAYOUT_KEYS, getattr(self, "layout", None) or (d.layer_types, d.sliding_window),
-                          strict=True))
-        for key in RESUME_CONTRACT_KEYS:  # the optional layout settings (sliding window), where set
-            section, name = key.split(".", 1)
-            value = layout[key] if key in layout else getattr(getattr(self.config, section), name, None)
-            if key not in contract and value is not None:
-                contract[key] = value
-        return contract
-
-    def _check_resume_contract(self, path: Path | None, layer_ids: list[int]) -> dict[str, tuple[Any, Any]]:
-        """Refuse (exit 2) a resume whose config changed a contract setting, unless checkpoint.allow_changed
-        accepts it; returns the accepted changes."""
-        if path is None:
-            return {}
-        c = self.config
-        notes = {} if c.drafter.gamma else {
-            "drafter.gamma": f" (unset: the default for drafter.block_size {c.drafter.block_size})"}
-        accepted = check_contract(path, self.resume_contract(layer_ids), c.checkpoint.allow_changed, notes,
-                                  fixed=list(RESUME_SHAPE_KEYS), proven=self._trained_layout_of(path))
-        if "target.layer_ids" in accepted:
-            old, new = accepted["target.layer_ids"]
-            if len(old or []) != len(new):  # the fc layer takes one hidden state per tapped layer
-                raise BadInput(f"target.layer_ids {new} taps {len(new)} layers but checkpoint {path} was trained "
-                               f"on {len(old or [])} ({old}): its weights do not fit, whatever "
-                               "checkpoint.allow_changed says; tap as many layers, or start a new output_dir")
-        return accepted
-
-    @staticmethod
-    def _trained_layout_of(path: Path) -> dict[str, Any] | None:
-        """The layout checkpoint `path`'s drafter config.json says it trained with, where its contract.json says
-        otherwise (written by an earlier dflash, which recorded the config's layout over drafter.init_from's):
-        the weights' own record wins, with a warning. None where they agree (or either is unreadable)."""
-        from dflash.checkpoint import read_contract
-        from dflash.export import same_layout
-        from dflash.models.drafter import layout_of_hf_config
-
-        saved = read_contract(path)
-        try:
-            trained = layout_of_hf_config(json.loads((path / "config.json").read_text()), str(path))
-        except (OSError, ValueError, BadInput):
-            return None
-        if saved is None or same_layout(tuple(saved.get(k) for k in LAYOUT_KEYS), trained):
-            return None
-        recorded = ", ".join(f"{k} {saved.get(k)}" for k in LAYOUT_KEYS)
-        log.warning(f"checkpoint {path}: its contract.json records {recorded} but its drafter trained with "
-                    f"layer_types {trained[0]}, sliding_window {trained[1]} (an earlier dflash recorded the config's "
-                    "layout over drafter.init_from's); comparing with what it trained")
-        return dict(zip(LAYOUT_KEYS, trained, strict=True))
-
-    def _apply_optim_config(self) -> None:
-        """The config's lr/betas/eps/weight_decay win over the checkpoint's (one log line when they differ)."""
-        o = self.config.optim
-        groups = self.optimizer.param_groups
-        old = {"lr": self.scheduler.base_lrs[0], "betas": list(groups[0]["betas"]), "eps": groups[0]["eps"],
-               "weight_decay": groups[0]["weight_decay"]}
-        new = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-        changed = [f"{k} {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
-        self.scheduler.base_lrs = [o.lr for _ in groups]
-        lrs = [base * fn(self.scheduler.last_epoch)
-               for base, fn in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas, strict=True)]
-        for g, lr in zip(groups, lrs, strict=True):
-            g.update(lr=lr, initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                     capturable=False)  # a CUDA graph's (dflash/step_graph.py) is set again when it captures
-        self.scheduler._last_lr = lrs
-        if changed:
-            self.observer.event(f"resume: optim {', '.join(changed)} (config differs from the checkpoint); "
-                                "applying the config's values")
-
-    def resume(self, path: Path | None) -> bool:
-        """Restore drafter, optimizer, scheduler, data position, RNG and step from checkpoint `path`
-        (chosen and checked at the start of setup, before the models loaded)."""
-        if path is None:
-            return False
-        self.ckpt.load_state(path, accepted=list(self.accepted_changes))
-        self._apply_optim_config()
-        if self.accepted_changes:
-            changed = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in self.accepted_changes.items())
-            self.observer.event(f"resume: {changed} (changed since the checkpoint; accepted by "
-                                "checkpoint.allow_changed)")
-        self.observer.event(f"resumed from {path} at step {self.step}"
-                            + resume_note(self.previous_end, self.step))
-        return True
+        return self.checkpointer.save(self.step)
 
     # ------------------------------------------------------------------------------------------ steps
     def autocast(self):
@@ -672,7 +525,7 @@ class Trainer:
             window.add(res, self.step_flops, self.input_seconds)
             self.input_seconds = 0.0
             if not math.isfinite(res.loss):
-                raise self._diverged(f"the loss is {res.loss} at step {self.step}")
+                raise self.checkpointer.diverged(f"the loss is {res.loss} at step {self.step}")
             if self.step % c.logging.interval == 0 or self.step == self.total_steps:
                 last = self._report(epoch, window)
                 window = MetricsWindow()
@@ -683,8 +536,7 @@ class Trainer:
             notifier.step(self.step)
             if c.runtime.step_pause_s:
                 time.sleep(c.runtime.step_pause_s)
-        if self.step > 0 and (not self.ckpt.list() or self.ckpt.list()[-1] != self.ckpt.path_for(self.step)):
-            self.save_checkpoint()  # (step 0: stopped before any step; nothing to keep)
+        self.checkpointer.save(self.step, last_step=True)
         stopped = self.reducer.stop_agreed() and self.step < self.total_steps
         result = {**last, "step": self.step, "epoch": epoch, "stopped": stopped}  # the real step, not the last log's
         if not stopped:
@@ -745,21 +597,8 @@ class Trainer:
         if not self.is_reporter:
             return None
         record = self.evaluator.report(self.step)
-        self._keep_if_best(record)
+        self.checkpointer.keep_if_best(self.step, record)
         return record
-
-    def _keep_if_best(self, record: dict[str, Any] | None) -> None:
-        """The checkpoint with the best real acceptance length so far becomes `checkpoints/best` (never pruned).
-        An eval at a step without a checkpoint saves one first, only when it is a new best. A record that is not
-        lossless is never the best (the evaluator raises on one: `EvalNotLossless`)."""
-        score = (record or {}).get("acceptance_length")
-        if score is None or record.get("lossless") is False or not self.ckpt.beats_best(score):
-            return
-        if not self.ckpt.path_for(self.step).is_dir():
-            self.save_checkpoint()
-        if self.ckpt.keep_if_best(self.step, score):
-            self.observer.event(f"best checkpoint: {self.ckpt.path_for(self.step).name} "
-                                f"(acceptance length {score:.3f})")
 
 
 def run_to_end(trainer: Trainer) -> dict[str, Any]:

@@ -237,7 +237,7 @@ def test_an_eval_that_is_not_lossless_stops_the_run_and_never_becomes_the_best(t
     assert (last["step"], last["lossless"], last["mismatch"]) == (4, False, {"prompt": "synthetic-eval#1",
                                                                               "position": 5})
     assert trainer.evaluator.heartbeat_fields()["eval_step"] == 2  # the failed eval's numbers are not reported
-    trainer._keep_if_best({"acceptance_length": 99.0, "lossless": False})  # nor ever made the best
+    trainer.checkpointer.keep_if_best(trainer.step, {"acceptance_length": 99.0, "lossless": False})  # nor ever made the best
     assert trainer.ckpt.best()["step"] == 2
 
 

@@ -40,7 +40,7 @@ LAYERS: dict[str, list[str]] = {
                 "dflash.failures", "dflash.observability", "dflash.trackers", "dflash.multinode", "dflash.doctor"],
     # what the commands run: the trainer, its CUDA-graph step and its inputs, its ranks (dflash.distributed's entry point runs
     # the trainer), evaluation, regeneration
-    "pipelines": ["dflash.inputs", "dflash.train", "dflash.step_graph", "dflash.distributed", "dflash.distributed.ranks",
+    "pipelines": ["dflash.inputs", "dflash.train", "dflash.checkpointer", "dflash.step_graph", "dflash.distributed", "dflash.distributed.ranks",
                   "dflash.evaluate", "dflash.evaluation", "dflash.evaluation.*", "dflash.suites",
                   "dflash.regenerate.*"],
     # the command line, `dflash train`'s launch and the operator's client

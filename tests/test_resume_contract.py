@@ -130,7 +130,7 @@ def test_the_override_accepts_the_changes_and_the_next_checkpoint_records_them(r
     trainer = Trainer(cfg).setup()
     assert trainer.step == 2
     assert trainer.drafter.arch.block_size == 6 and trainer.gamma == 3.0
-    assert set(trainer.accepted_changes) == {"drafter.gamma", "drafter.num_anchors", "drafter.block_size"}
+    assert set(trainer.checkpointer.accepted_changes) == {"drafter.gamma", "drafter.num_anchors", "drafter.block_size"}
     trainer.train_step()
     saved = trainer.save_checkpoint()
     contract = json.loads((saved / CONTRACT).read_text())
@@ -141,7 +141,7 @@ def test_the_override_accepts_the_changes_and_the_next_checkpoint_records_them(r
 def test_an_unchanged_resume_works_without_a_warning(run, caplog):
     with caplog.at_level(logging.WARNING, logger="dflash"):
         trainer = Trainer(config_of(run)).setup()
-    assert trainer.step == 2 and trainer.accepted_changes == {}
+    assert trainer.step == 2 and trainer.checkpointer.accepted_changes == {}
     assert CONTRACT not in caplog.text
     trainer.run()
     assert trainer.step == 4
