@@ -179,7 +179,7 @@ class Checkpointer:
     def save(self, step: int, last_step: bool = False) -> Path | None:
         """A checkpoint of `step` (every rank checks the weights: DDP's are the same, and so is the answer; the
         reporter writes). `last_step`: only where the newest checkpoint is not this step's already."""
-        if last_step and (step == 0 or (self.store.list() and self.store.list()[-1] == self.store.path_for(step))):
+        if last_step and (step == 0 or self.store.path_for(step) in self.store.list()[-1:]):
             return None  # step 0: stopped before any step, nothing to keep
         finite = torch.stack([torch.isfinite(p).all() for p in self.trainer.drafter.parameters()]).all()
         if not bool(finite):  # one device sync, not one per parameter

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash.fileio import atomic_file
 from dflash.logs import get_logger
 
 log = get_logger(__name__)
@@ -55,7 +56,8 @@ def _run_id_path(out_dir: Path, name: str) -> Path:
 def _remember_run_id(out_dir: Path, name: str, run_id: str) -> None:
     path = _run_id_path(out_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(run_id + "\n")
+    with atomic_file(path) as fh:  # a start killed here leaves the old id or the new one, never half of one
+        fh.write(run_id + "\n")
 
 
 def _known_run_id(out_dir: Path, name: str) -> str | None:
