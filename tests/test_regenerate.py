@@ -322,6 +322,34 @@ def test_missing_input_exits_3_and_bad_options_exit_2(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == [inp]
 
 
+def test_one_prompt_width_gives_every_batch_one_shape_and_the_same_answers(tmp_path, monkeypatch, capsys):
+    """--prompt-width-multiple N (N >= the longest prompt): every batch is left-padded to N tokens, so
+    compiled decoding sees one prompt shape; the greedy answers are those of the default widths."""
+    from dflash.regenerate import hf
+
+    widths = []
+    real = hf.TransformersBackend._generate_static
+
+    def spy(self, prompts, params, seed, refill=False):
+        widths.append((self.pad_to_multiple_of, self.compile))
+        return real(self, prompts, params, seed, refill)
+
+    monkeypatch.setattr(hf.TransformersBackend, "_generate_static", spy)
+    rows = [{"messages": c} for c in conversations()[:6]]
+    inp = write_rows(tmp_path / "in.jsonl", rows)
+    assert regen(tmp_path, inp, tmp_path / "a.jsonl", "--batch-size", "2") == 0
+    default = set(widths)
+    widths.clear()
+    assert regen(tmp_path, inp, tmp_path / "b.jsonl", "--batch-size", "2", "--compile", "off",
+                 "--prompt-width-multiple", "96") == 0
+    assert default == {(None, False)} and set(widths) == {(96, False)}
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    capsys.readouterr()
+    assert regen(tmp_path, inp, tmp_path / "c.jsonl", "--prompt-width-multiple", "0") == 2
+    assert "--prompt-width-multiple must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()
+
+
 def test_an_unknown_batching_mode_is_refused_naming_the_modes(target):
     model, tok = target
     with pytest.raises(BadInput, match="batching must be one of static, refill, continuous, got 'paged'"):

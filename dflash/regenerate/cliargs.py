@@ -38,6 +38,13 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                        "help": "transformers backend: length-bucketed static batches (default); refill: the "
                                "finished rows of a batch replaced once half of them are done; or transformers' "
                                "continuous batching"}),
+    (("--compile",), {"choices": ["auto", "on", "off"], "default": "auto",
+                      "help": "transformers backend: compiled decoding over a static KV cache (auto: on CUDA); "
+                              "each new batch shape compiles once, so few large batches gain most"}),
+    (("--prompt-width-multiple",), {"type": int, "default": None, "metavar": "N",
+                                    "help": "transformers backend: left-pad each batch's prompts to a multiple of N "
+                                            "tokens (default: 64 when compiled); N >= --max-prompt-tokens gives "
+                                            "every batch one shape, so compiled decoding compiles once"}),
     (("--shard-size",), {"type": int, "default": 1000, "help": "conversations per resumable shard"}),
     (("--limit",), {"type": int, "default": None, "help": "only the first N conversations"}),
     (("--nproc",), {"type": int, "default": 1, "help": "processes (one per GPU) started through torchrun"}),

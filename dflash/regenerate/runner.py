@@ -70,6 +70,11 @@ def check_args(args: argparse.Namespace) -> None:
                        "Face model directory (dflash never downloads weights)")
     if args.server and args.batching != "static":
         raise BadInput("--batching applies to the transformers backend, not to --server")
+    width = getattr(args, "prompt_width_multiple", None)
+    if width is not None and width < 1:
+        raise BadInput(f"--prompt-width-multiple must be >= 1, got {width}")
+    if args.server and (width is not None or getattr(args, "compile", "auto") != "auto"):
+        raise BadInput("--compile and --prompt-width-multiple apply to the transformers backend, not to --server")
 
 
 def _check_output_path(output: Path) -> None:
@@ -145,7 +150,9 @@ def build_backend(args: argparse.Namespace):
         identity["dtype"] = dtype
         model = build_hf_model(args.target_path, None, dtype, device=device)
     model = model.to(device).eval()
-    backend = TransformersBackend(model, tokenizer, batch_size=args.batch_size, batching=args.batching)
+    compile_ = {"auto": None, "on": True, "off": False}[getattr(args, "compile", "auto")]
+    backend = TransformersBackend(model, tokenizer, batch_size=args.batch_size, batching=args.batching,
+                                  pad_to_multiple_of=getattr(args, "prompt_width_multiple", None), compile=compile_)
     return backend, tokenizer, identity, default_seed
 
 
