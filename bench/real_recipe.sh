@@ -16,7 +16,7 @@
 # compiles for one shape (batches of 512, shards of 1024; the 256 held-out prompts decode eagerly in one batch).
 # The eval: the five suites (SUITE_LIMIT rows each, default 20; MT-Bench MTBENCH_LIMIT, default 10) and the
 # held-out split (HELD_OUT_PROMPTS, default 32) run as six processes at once on the one GPU: the acceptance
-# lengths and the lossless checks are exact, the tokens/s are those of a shared GPU.
+# lengths and the lossless checks are exact, the tokens/s are those of a shared GPU (MPS=1: through an MPS server).
 # CONFIG (default configs/smollm2-gpu.yaml) and RUN_DIR (default /dev/shm/smollm2-gpu) choose the recipe and where
 # it runs; the logs and the eval JSON go to $OUT (default /tmp/real-recipe).
 set -euo pipefail
@@ -72,6 +72,11 @@ EOF
   eval)
     t0=$SECONDS
     box="${1:-420}"
+    if [[ -n "${MPS:-}" ]]; then  # MPS=1: the six processes share the GPU through one MPS server
+      export CUDA_MPS_PIPE_DIRECTORY="$out/mps" CUDA_MPS_LOG_DIRECTORY="$out/mps-log"
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    fi
     pids=()
     for suite in gsm8k math500 humaneval mbpp mtbench; do
       limit="${SUITE_LIMIT:-20}"
