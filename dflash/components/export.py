@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dflash.checkpoint import CheckpointManager
+from dflash.components.checkpoint import CheckpointManager
 from dflash.errors import BadInput
 from dflash.fileio import raise_if_full
 from dflash.logs import get_logger
