@@ -2,11 +2,11 @@
 
 A drafter rank is the one `Trainer` given a `DataParallel` step reducer and an input source: `LocalTarget`
 (colocated) or `RemoteTargets` (disaggregated). A target rank runs `run_target_rank`, the one target-rank
-loop: an unsplit target is stage 0 of 1 (stages.py).
+loop: an unsplit target is stage 0 of 1 (dflash/runtime/stages.py).
 
 Stopping (dflash/runtime/stop.py): a signal only marks the rank; the ranks agree to stop in the per-step all-reduce of
 the drafter group, so all of them leave the loop after the same step and the reporter checkpoints it. Target
-ranks absorb signals and stop when the drafter ranks send STOP (transfer.py).
+ranks absorb signals and stop when the drafter ranks send STOP (dflash/runtime/transfer.py).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def _run_rank(config: RunConfig) -> dict | None:
     backend = backend_for(config)
     timeout = timedelta(seconds=config.topology.timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    setup_barrier.begin(config.topology.timeout_s)  # setups of any length end together (setup_barrier.py)
+    setup_barrier.begin(config.topology.timeout_s)  # setups of any length end together (dflash/runtime/setup_barrier.py)
     check_setup_fault(rank)
     log.info(f"distributed: {config.topology.mode}, {plan.world_size} ranks ({backend}), "
              f"{len(plan.drafter_ranks)} drafter rank(s)"

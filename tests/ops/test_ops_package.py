@@ -143,4 +143,4 @@ def test_a_deploy_from_the_wheel_packs_the_installed_trainer(installed):
     for item in ("dflash/training/trainer.py", "dflash/cli.py", "configs/tiny-cpu.yaml", "pyproject.toml"):
         assert (into / item).is_file(), item
     assert not (into / "dflash" / "ops").exists()
-    assert (into / "dflash" / "train.py").read_text() == (PACKAGE / "train.py").read_text()
+    assert (into / "dflash" / "training" / "trainer.py").read_text() == (PACKAGE / "training" / "trainer.py").read_text()
