@@ -22,7 +22,7 @@ from dflash.models.target import DTYPES
 
 log = get_logger(__name__)
 
-MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "modeling_dflash.py"
+MODELING_FILE = Path(__file__).resolve().parents[1] / "models" / "hf_remote" / "modeling_dflash.py"
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
