@@ -235,10 +235,10 @@ def test_the_reader_names_the_rank_that_is_not_where_the_others_wait(tmp_path):
 # SIGUSR1: rank 0 went on to its backward and waits there for DistributedDataParallel's gradient all-reduce.
 DDP_BACKWARD = [(TP + "torch/autograd/graph.py", 979, "_engine_run_backward"),
                 (TP + "torch/autograd/__init__.py", 395, "backward"), (TP + "torch/_tensor.py", 623, "backward"),
-                ("/opt/dflash/current/dflash/train.py", 529, "train_step")]
-HUNG_BEFORE_STEP = [("/opt/dflash/current/dflash/distributed/ranks.py", 65, "check_fault"),
-                    ("/opt/dflash/current/dflash/distributed/ranks.py", 126, "start_step"),
-                    ("/opt/dflash/current/dflash/train.py", 510, "train_step")]
+                ("/opt/dflash/current/dflash/training/trainer.py", 529, "train_step")]
+HUNG_BEFORE_STEP = [("/opt/dflash/current/dflash/training/ranks.py", 65, "check_fault"),
+                    ("/opt/dflash/current/dflash/training/ranks.py", 126, "start_step"),
+                    ("/opt/dflash/current/dflash/training/trainer.py", 510, "train_step")]
 
 
 def test_a_rank_waiting_in_ddps_backward_waits_for_its_peer(tmp_path):
@@ -249,7 +249,7 @@ def test_a_rank_waiting_in_ddps_backward_waits_for_its_peer(tmp_path):
     _write_rank(run, 1, HUNG_BEFORE_STEP)
     stacks = read_stacks(run)
     assert stuck_ranks(stacks) == [1]
-    assert stacks[1]["frames"] == ["check_fault (ranks.py:65)", "start_step (ranks.py:126)", "train_step (train.py:510)"]
+    assert stacks[1]["frames"] == ["check_fault (ranks.py:65)", "start_step (ranks.py:126)", "train_step (trainer.py:510)"]
     assert stacks[0]["frames"][0] == "_engine_run_backward (torch/autograd/graph.py:979)"
     # a rank in a torch.distributed collective beside one in the backward: neither is outside a wait
     _write_rank(run, 1, COLLECTIVE)
