@@ -1,6 +1,6 @@
 """Where the end-to-end step's time goes: the real Trainer, its steps timed, then profiled.
 
-Builds `dflash.train.Trainer` from a config (and overrides, as `dflash train` takes them), runs warm-up steps
+Builds `dflash.training.trainer.Trainer` from a config (and overrides, as `dflash train` takes them), runs warm-up steps
 (compilation), times `--steps` steps (a sync after each, the trainer's own), then profiles two steps with
 torch.profiler and reports how much of their wall time the GPU was busy (the union of kernel intervals): what
 is left is the GPU waiting for the host (syncs, launches, host-side work). No logging, no checkpoints. On a GPU
@@ -62,7 +62,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from dflash.config import load_config
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("config")
@@ -153,9 +153,9 @@ def main() -> int:
 
 def counted_target_flops(target, shapes: list[tuple[int, int]]) -> float | None:
     """The target's feature forwards over `shapes` (micro-batches of (sequences, positions)): 2 x the parameters
-    of the layers up to the deepest tap x tokens, plus causal attention in each of those layers (dflash.flops). A
+    of the layers up to the deepest tap x tokens, plus causal attention in each of those layers (dflash.components.flops). A
     target with layers other than full attention (a hybrid) is not counted: None."""
-    from dflash.flops import target_forward_flops
+    from dflash.components.flops import target_forward_flops
     from dflash.models.families import text_config_of
 
     if target is None or not hasattr(target, "layers"):

@@ -61,7 +61,7 @@ def shape(tiny: bool) -> dict:
 
 def inputs(s: dict, dev: torch.device, dtype: torch.dtype):
     """q/k/v and the trainer's BlockMask for anchors drawn as the trainer draws them (answer after a prompt)."""
-    from dflash.loss import sample_anchors
+    from dflash.components.loss import sample_anchors
     from dflash.models.attention import flex_block_mask
 
     loss_mask = torch.zeros(1, s["ctx"], dtype=torch.bool)

@@ -213,7 +213,7 @@ def sec_features(args):
 
 
 def _drafter_setup(args):
-    from dflash.loss import build_blocks, sample_anchors
+    from dflash.components.loss import build_blocks, sample_anchors
     from dflash.models.drafter import Drafter, arch_from_target
     from dflash.models.target import target_config
 
@@ -284,7 +284,7 @@ def sec_compile(args):
     """Cold compile cost of each compiled piece at the drafter's training shape, in the order a fresh process
     meets them (run it first, on an empty inductor cache, to see what a first start pays)."""
     from dflash.compile import CompilePlan, configure
-    from dflash.loss import ce_rows_kernel
+    from dflash.components.loss import ce_rows_kernel
     from dflash.models.attention import compiled_flex_attention, flex_block_mask
 
     arch, _drafter, _embed, _head, _feats, blocks, seq = _drafter_setup(args)
@@ -328,8 +328,8 @@ def sec_drafter(args):
     import copy
 
     from dflash.compile import CompilePlan, configure
-    from dflash.flops import drafter_step_flops
-    from dflash.loss import weighted_block_loss
+    from dflash.components.flops import drafter_step_flops
+    from dflash.components.loss import weighted_block_loss
     from dflash.models.attention import FLASH_OPTIONS, compiled_flex_attention, flex_options_for
 
     arch, drafter, embed, head, feats, blocks, seq = _drafter_setup(args)
@@ -343,7 +343,7 @@ def sec_drafter(args):
     out["full_vocab_logits_fp32_gib"] = full_logits_gib
     # (name, attention, compilation: None | "forward" (whole drafter.forward, as drafter.compile does) |
     # "layers" (each layer; mask, RoPE and fc eager), loss implementation). Every "fusedce" variant runs the
-    # loss's per-chunk softmax compiled (`dflash.loss.ce_rows`); "+eagerce" runs it eagerly (the baseline).
+    # loss's per-chunk softmax compiled (`dflash.components.loss.ce_rows`); "+eagerce" runs it eagerly (the baseline).
     # "autotune" compiles the forward with mode="max-autotune-no-cudagraphs" (compile.drafter_mode): inductor
     # then autotunes the GEMM epilogues and flex attention's forward and backward tiles.
     variants = [("sdpa-dense", "sdpa", None, "checkpoint"), ("flex", "flex", None, "checkpoint"),
@@ -393,8 +393,8 @@ def sec_drafter(args):
         accumulator yet, whatever earlier losses are still held."""
         model = copy.deepcopy(drafter) if compile_mode == "layers" or fresh or fp8 else drafter
         model.load_state_dict(initial)
-        if fp8:  # dflash.float8, as drafter.float8 converts ("tensorwise", no skip) or a variant of it
-            from dflash.float8 import convert_linears
+        if fp8:  # dflash.components.float8, as drafter.float8 converts ("tensorwise", no skip) or a variant of it
+            from dflash.components.float8 import convert_linears
 
             convert_linears(model, fp8, fp8_skip)
         if compile_mode == "layers":
@@ -513,7 +513,7 @@ def sec_drafter(args):
 def sec_e2e(args):
     """Colocated training on one GPU through the real Trainer, sweeping the token budget."""
     from dflash.config import RunConfig, _build, validate
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     budgets = [128, 256] if args.tiny else [int(b) for b in args.budgets.split(",")]
     spec = TINY_DENSE if args.tiny else QWEN3_8B

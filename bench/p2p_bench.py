@@ -5,7 +5,7 @@ Run on a machine with two GPUs:
     torchrun --nproc-per-node 2 bench/p2p_bench.py --config tests/distributed/configs/gpu-8b.yaml
 
 Rank 0 sends one micro-batch item (meta + tokens + features, the fixed-size buffers of
-`dflash.distributed.transfer`) to rank 1 over NCCL point-to-point, the way `FeatureProducer` does;
+`dflash.runtime.transfer`) to rank 1 over NCCL point-to-point, the way `FeatureProducer` does;
 reported: bytes per item, time per item, GB/s. Baseline in the same call: a peer-to-peer
 `Tensor.copy_` of the same features buffer from GPU 0 to GPU 1 (copy engine, no NCCL).
 Writes p2p.json under --out (or $OUT).
@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from dflash.config import load_config
 from dflash.data.buckets import BatchShape
-from dflash.distributed.transfer import Slot, TransferLayout
 from dflash.models.target import DTYPES
+from dflash.runtime.transfer import Slot, TransferLayout
 
 
 def layout_for(config_path: str, num_layers: int | None) -> TransferLayout:

@@ -205,9 +205,9 @@ def sec_padded(model, args):
 
 
 def sec_verify(model, args):
+    from dflash.evaluation.speculative import DrafterSession, TargetSession
     from dflash.models.drafter import Drafter, arch_from_target
     from dflash.models.target import Target
-    from dflash.speculative import DrafterSession, TargetSession
 
     layer_ids = [1, 9, 17, 25, 33] if model.config.num_hidden_layers >= 34 else [1, 3, 5]
     target = Target(model, layer_ids)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import load_config  # noqa: E402
-from dflash.train import Trainer  # noqa: E402
+from dflash.training.trainer import Trainer  # noqa: E402
 
 
 def run(config_path: str, overrides: list[str], graph: bool, steps: int, warmup: int, out: Path) -> dict:

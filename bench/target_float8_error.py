@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
+    from dflash.components.float8 import frozen_float8_forward, target_float8
     from dflash.config import default_layer_ids
-    from dflash.float8 import frozen_float8_forward, target_float8
     from dflash.models.target import Target, build_hf_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

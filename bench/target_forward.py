@@ -142,8 +142,8 @@ def sec_features_float8(args, out: Path) -> None:
     """The same feature forward with `target.float8` (the decoder layers' linears in float8, rowwise), beside
     the bf16 one of the same model in the same process."""
     from dflash.compile import _allow_recompiles, compile_target_layers
+    from dflash.components.float8 import target_float8
     from dflash.config import default_layer_ids
-    from dflash.float8 import target_float8
     from dflash.models.target import Target, build_hf_model
 
     model = build_hf_model(None, dict(QWEN3_8B), "bfloat16", seed=0, device="cuda")
@@ -185,7 +185,7 @@ def sec_gemms(args, out: Path) -> None:
 
 def _lm_head(data: dict) -> None:
     # the trainer's cast; the gradient is cast here in its default e4m3 (the loss's own is e5m2)
-    from dflash.float8 import rowwise
+    from dflash.components.float8 import rowwise
 
     hid, vocab = 4096, 151936
     rows = 7680  # the loss rows of one sequence: 512 blocks x 15 labels

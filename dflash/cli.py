@@ -1,4 +1,4 @@
-"""`dflash` command line. Exit codes: 0 done, 1 failure, 2 bad input, 3-6 the failure classes of dflash/failures.py."""
+"""`dflash` command line. Exit codes: 0 done, 1 failure, 2 bad input, 3-6 the failure classes of dflash/runtime/failures.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import traceback
 
 from dflash.errors import BadInput, DflashError
-from dflash.failures import EXIT_CODES, classify, describe
+from dflash.runtime.failures import EXIT_CODES, classify, describe
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 SUITE_MAX_NEW_TOKENS = 256  # `dflash eval --suite`'s new tokens per prompt unless --max-new-tokens says
@@ -123,7 +123,7 @@ def _check_devices(config) -> None:
     refusal the trainer would give at its start, given before a deploy touches the running job."""
     if config.runtime.device == "cpu":
         return  # nothing to look for (and no torch import)
-    from dflash.distributed.topology import check_devices, plan_ranks
+    from dflash.runtime.topology import check_devices, plan_ranks
 
     check_devices(config, plan_ranks(config.topology))
 
@@ -138,7 +138,7 @@ def _check_data(config) -> list[tuple[str, int]]:
 
 
 def _cmd_doctor(args) -> int:
-    from dflash import doctor
+    from dflash.runtime import doctor
 
     info = doctor.collect()
     print(json.dumps(info, indent=2) if args.json else doctor.render(info))
@@ -150,10 +150,10 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from dflash.export import choose_checkpoint, export
+    from dflash.components.export import choose_checkpoint, export
 
     if args.check:
-        from dflash.export import check_serving
+        from dflash.components.export import check_serving
 
         if args.out is not None:
             raise BadInput("dflash export --check takes one directory (an export); drop the second argument")
@@ -172,18 +172,18 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from dflash.evaluate import run_eval
+    from dflash.evaluation.evaluate import run_eval
 
     if args.num_prompts < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         raise BadInput("--num-prompts and --max-new-tokens must be >= 1")
     _convert_packaged(args.config, args.overrides)
     if args.suite:
-        from dflash.suites import run_suites
+        from dflash.evaluation.suites import run_suites
 
         if args.max_new_tokens is None:  # benchmark prompts, not the run's: their own default
             args.max_new_tokens = SUITE_MAX_NEW_TOKENS
         if args.latest:  # the suites take the drafter directory as given (a run's best, else its newest)
-            from dflash.export import resolve_checkpoint
+            from dflash.components.export import resolve_checkpoint
 
             args.drafter = str(resolve_checkpoint(args.drafter, "latest"))
         return run_suites(args)

@@ -169,7 +169,7 @@ def keep_mixers_eager(layers: list[nn.Module], mixers: tuple[str, ...]) -> None:
 def forwards_installed(pairs: list[tuple[nn.Module, Callable]]):
     """Within: each module of `pairs` runs its paired forward (set as an instance attribute); after, each module
     has its own forward back (an instance-level one it had before, else its class's). How a target's `features`
-    runs its compiled layers, or its linear layers in float8 (dflash.float8.target_float8), and nothing else."""
+    runs its compiled layers, or its linear layers in float8 (dflash.components.float8.target_float8), and nothing else."""
     own = [module.__dict__.get("forward") for module, _ in pairs]
     for module, forward in pairs:
         module.forward = forward

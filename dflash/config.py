@@ -203,7 +203,7 @@ class LoggingConfig:
     interval: int = 10  # steps
     tensorboard: bool = False
     eval_interval: int = 0  # steps; 0 = only at the end
-    # experiment trackers (dflash/trackers.py); `tensorboard` here is the same as `tensorboard: true`
+    # experiment trackers (dflash/runtime/trackers.py); `tensorboard` here is the same as `tensorboard: true`
     trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = field(default_factory=list)
     run_name: str | None = None  # the trackers' run name; null: the output directory's name
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
@@ -216,7 +216,7 @@ class EvalConfig:
 
     speculative_prompts: int = 8  # held-out prompts decoded with the target + drafter; 0 = off
     # per prompt; None: the length of the run's regenerated answers (data.regenerate.max_new_tokens, or the
-    # max_new_tokens of a `dflash regenerate` manifest beside the data), else 128 (dflash.evaluate.eval_token_limit)
+    # max_new_tokens of a `dflash regenerate` manifest beside the data), else 128 (dflash.evaluation.evaluate.eval_token_limit)
     max_new_tokens: int | None = None
 
 
@@ -237,7 +237,7 @@ class CompileConfig:
     # and they pass a start-up check against the Triton kernels, else triton; flash = those or an error
     flex_backend: Literal["auto", "triton", "flash"] = "auto"
     # the drafter's whole step (forward, loss, backward, clip, AdamW) replayed from a CUDA graph per input shape;
-    # null = on where the run allows it (CUDA, one rank, optim.grad_accum 1), false = never (dflash/step_graph.py)
+    # null = on where the run allows it (CUDA, one rank, optim.grad_accum 1), false = never (dflash/training/step_graph.py)
     step_graph: bool | None = None
     step_graph_shapes: int = 2  # input shapes captured at most (each holds one step's activations between steps)
 

@@ -4,7 +4,7 @@ more ranks.
 `dflash train CONFIG` is the one command in every case:
 * one rank -> trains here;
 * several ranks -> this process validates the config and the GPUs, starts `python -m torch.distributed.run`
-  running `dflash train CONFIG` per rank through the one torchrun launcher (dflash/torchrun.py, which passes
+  running `dflash train CONFIG` per rank through the one torchrun launcher (dflash/runtime/torchrun.py, which passes
   a stop signal on to the workers) and returns the verdict: the failure class of the rank that failed first;
 * started by torchrun (ours or an external one: LOCAL_RANK and WORLD_SIZE set) -> runs this rank.
 """
@@ -16,10 +16,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from dflash import torchrun
 from dflash.config import RunConfig
 from dflash.logs import get_logger
-from dflash.torchrun import hard_exit, under_torchrun
+from dflash.runtime import torchrun
+from dflash.runtime.torchrun import hard_exit, under_torchrun
 
 log = get_logger(__name__)  # stdout lines; a failure's one-line error goes to stderr
 
@@ -48,29 +48,29 @@ def apply_rendezvous_env(config: RunConfig) -> None:
 
 def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> int:
     # first of all (torch imports take a second): a stop while this process starts up starts nothing, or
-    # stops the trainer cleanly before its first step (dflash/stop.py: its handler takes the request over)
-    from dflash import stop
+    # stops the trainer cleanly before its first step (dflash/runtime/stop.py: its handler takes the request over)
+    from dflash.runtime import stop
 
     stop.install()
-    from dflash.notify import Notifier
+    from dflash.runtime.notify import Notifier
 
     Notifier().loading()  # the supervisor's watchdog: the start-up allowance while the target loads
     apply_rendezvous_env(config)
-    from dflash import stacks
+    from dflash.runtime import stacks
 
     if under_torchrun():
-        stacks.install(config.output_dir, int(os.environ.get("RANK", "0")))  # hang evidence (dflash/stacks.py)
+        stacks.install(config.output_dir, int(os.environ.get("RANK", "0")))  # hang evidence (dflash/runtime/stacks.py)
         return _run_worker(config)
-    from dflash.distributed.topology import plan_ranks
+    from dflash.runtime.topology import plan_ranks
 
     plan = plan_ranks(config.topology)
     if plan.world_size == 1:
-        from dflash.train import train
+        from dflash.training.run import train
 
         stacks.install(config.output_dir, 0)
         _print_done(train(config))
         return 0
-    from dflash.distributed.topology import check_devices, check_target_fits
+    from dflash.runtime.topology import check_devices, check_target_fits
 
     check_devices(config, plan)  # exit 2 before any process starts
     check_target_fits(config, plan)
@@ -83,13 +83,14 @@ def run_training(config: RunConfig, config_path: str, overrides: list[str]) -> i
 def _run_worker(config: RunConfig) -> int:
     """A torchrun worker. A failing rank reports (as the CLI does) and exits at once: interpreter teardown
     can take seconds, or hang in a process group whose peer is gone, and torchrun only acts on the exit."""
-    from dflash import distributed, failures
     from dflash.errors import DflashError
+    from dflash.runtime import failures
+    from dflash.training import worker
 
     try:
-        result = distributed.run_rank(config)  # @record has written the error file on failure
+        result = worker.run_rank(config)  # @record has written the error file on failure
     except BaseException as exc:  # noqa: BLE001 - any failure of this rank ends the job
-        # its class (dflash/failures.py) for the launcher: torchrun's own exit says only that a rank failed
+        # its class (dflash/runtime/failures.py) for the launcher: torchrun's own exit says only that a rank failed
         cls = failures.classify(exc) if isinstance(exc, Exception) else "unknown"
         if isinstance(exc, DflashError):
             message = str(exc)
@@ -121,7 +122,7 @@ def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], 
         # the c10d TCP store on node 0 at master_addr:master_port, keyed by the run id; the static handler
         # keeps the nodes' ranks as given (c10d's dynamic one orders them by hostname), so rank 0 and the
         # reporter stay on node 0; every node waits for all the others up to timeout_s
-        from dflash.multinode import run_id
+        from dflash.runtime.multinode import run_id
 
         rendezvous = ["--nnodes", str(top.nnodes), "--node-rank", str(top.node_rank), "--rdzv-backend", "static",
                       "--rdzv-endpoint", f"{top.master_addr}:{top.master_port}", "--rdzv-id",
@@ -130,9 +131,9 @@ def torchrun_command(config: RunConfig, config_path: str, overrides: list[str], 
 
 
 def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], plan) -> int:
-    """The ranks of this node through the one torchrun launcher (dflash/torchrun.py): a stop signal asks them to
+    """The ranks of this node through the one torchrun launcher (dflash/runtime/torchrun.py): a stop signal asks them to
     checkpoint and stop within topology.timeout_s; the exit is the failure class of the rank that failed first."""
-    from dflash import failures
+    from dflash.runtime import failures
 
     cmd = torchrun_command(config, config_path, overrides, plan.nproc_per_node)
     grace = config.topology.timeout_s  # after SIGTERM: time for the ranks to agree, checkpoint and exit
@@ -175,7 +176,7 @@ def launch_torchrun(config: RunConfig, config_path: str, overrides: list[str], p
 
 def rank_liveness(config: RunConfig, plan):
     """Under a supervisor's watchdog: the socket this node's step-loop ranks (drafter ranks) notify."""
-    from dflash.notify import Notifier, RankLiveness
+    from dflash.runtime.notify import Notifier, RankLiveness
 
     upstream = Notifier()
     if not upstream.enabled and config.topology.nnodes == 1:
@@ -186,10 +187,10 @@ def rank_liveness(config: RunConfig, plan):
 
 
 def node_presence(config: RunConfig, plan):
-    """Multi-node: this node's presence record and node file (dflash/multinode.py)."""
+    """Multi-node: this node's presence record and node file (dflash/runtime/multinode.py)."""
     if config.topology.nnodes == 1:
         return None
-    from dflash.multinode import NodePresence
+    from dflash.runtime.multinode import NodePresence
 
     top = config.topology
     return NodePresence(config.output_dir, top.nnodes, top.node_rank, top.master_addr, top.master_port,

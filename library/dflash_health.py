@@ -38,7 +38,7 @@ description:
     status, the heartbeat, the GPU table and the last O(log_lines) log lines, so the trainer's own
     C(dflash: error: ...) line appears in the play output."
   - "A C(hung) job's hang evidence: the check sends SIGUSR1 to the unit's main process when it has a handler for it (a
-    trainer with C(dflash/stacks.py): every rank dumps its threads' stacks to C(RUN_DIR/stacks/rank-R.txt)), waits up
+    trainer with C(dflash/runtime/stacks.py): every rank dumps its threads' stacks to C(RUN_DIR/stacks/rank-R.txt)), waits up
     to 2 s for the files, and reports every rank that dumped during this launch with its main thread's top frames,
     naming the stuck rank(s) (RV(stacks); the diagnosis' C(stacks: rank R (stuck): top frames ...) lines)."
 version_added: "0.1.0"

@@ -24,7 +24,7 @@ description:
     reads again.
   - Self-healing. After a failure the unit restarts by itself (O(restart)) after O(restart_delay) seconds, at most
     O(restart_burst) starts within O(restart_interval) seconds; exit 2 (bad input) is never restarted. With
-    O(watchdog) the trainer must ping (sd_notify C(WATCHDOG=1), dflash/notify.py) at least that often once it trains,
+    O(watchdog) the trainer must ping (sd_notify C(WATCHDOG=1), dflash/runtime/notify.py) at least that often once it trains,
     and within O(watchdog_start) while it loads; a hung trainer is killed and restarted. When the restarts are
     exhausted the unit stays C(failed), O(on_failure) runs (a unit C(NAME-on-failure.service) with C(DFLASH_JOB) and
     C(DFLASH_REASON)), and O(state=started) with an unchanged configuration fails with the crash loop's diagnosis

@@ -1,6 +1,6 @@
 # Copyright: dflash authors
 # Apache-2.0
-"""The trainer's failure classes (the same table as dflash/failures.py, which module_utils cannot import; a test
+"""The trainer's failure classes (the same table as dflash/runtime/failures.py, which module_utils cannot import; a test
 checks they are equal) and the restart policy per class of the unit (both backends).
 """
 

@@ -481,7 +481,7 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
         lines.append(f"the job is hung: {RESTART_HINT}")
         # hang evidence: every rank's stacks dumped by this launch (module_utils/dflash_stacks.py)
         lines.extend(describe_stacks(stacks, obs["wall"]) if stacks else
-                     ["stacks: no dump from this launch (a trainer with dflash/stacks.py dumps on SIGUSR1)"])
+                     ["stacks: no dump from this launch (a trainer with dflash/runtime/stacks.py dumps on SIGUSR1)"])
         lines.append(watchdog_line(watchdog, obs))
     if state == LOST:
         lines.append("the job is lost: " + LOST_HINT.format(name=name))
@@ -532,7 +532,7 @@ def format_diagnosis(name, healthy, failures, obs, log_tail, elapsed, log_path, 
 
 
 def failure_class(unit, hb):
-    """The class of the job's last failure (dflash/failures.py): the trainer's own (its `failed` heartbeat) when it
+    """The class of the job's last failure (dflash/runtime/failures.py): the trainer's own (its `failed` heartbeat) when it
     wrote one, else that of the unit's exit status; None when it did not fail."""
     if hb and hb.get("status") == "failed" and hb.get("failure_class"):
         return hb["failure_class"]

@@ -49,7 +49,7 @@ METRICS = {
     "checkpoint_step": ("gauge", "Step of the last checkpoint."),
     "restarts": ("gauge", "Restarts of the unit by its restart policy (systemd NRestarts)."),
     "watchdog_kills": ("gauge", "Kills of a hung trainer by the unit's watchdog."),
-    "failure": ("gauge", "1 labelled with the class of the job's last failure (dflash/failures.py)."),
+    "failure": ("gauge", "1 labelled with the class of the job's last failure (dflash/runtime/failures.py)."),
     "gpu_memory_mib": ("gauge", "GPU memory held by the job's processes, per GPU."),
     "gpu_min_memory_mib": ("gauge", "The health check's GPU memory threshold."),
     "metrics_timestamp_seconds": ("gauge", "When this file was written (Unix time)."),

@@ -1,6 +1,6 @@
 # Copyright: dflash authors
 # Apache-2.0
-"""Hang evidence: the stack files of the trainer's ranks (written by dflash/stacks.py), read, and dumped on demand.
+"""Hang evidence: the stack files of the trainer's ranks (written by dflash/runtime/stacks.py), read, and dumped on demand.
 
 ``RUN_DIR/stacks/rank-R.txt`` holds one line ``# dflash stacks: rank R pid P started ISO (UNIX)`` per start of
 rank R, each followed by the dumps faulthandler appended while that process lived: every thread's Python stack,

@@ -123,7 +123,7 @@ def receive_notify(sock, allowed_uids, refused):
 
 
 def ask_for_stacks(pid, wait=STACKS_WAIT_S):
-    """Hang evidence before the watchdog's kill: a trainer (dflash/stacks.py; its launcher passes it on to the ranks)
+    """Hang evidence before the watchdog's kill: a trainer (dflash/runtime/stacks.py; its launcher passes it on to the ranks)
     dumps every thread's stack to RUN_DIR/stacks/ on SIGUSR1. Sent only when the job's main process has a handler for
     it (SigCgt): SIGUSR1 would kill anything else."""
     try:

@@ -312,7 +312,7 @@ def systemd_run_args(spec, systemd_run="systemd-run"):
     watchdog = spec.get("watchdog") or {}
     if watchdog.get("interval"):
         # The unit's interval is the start-up one (target load, compile); the trainer tightens it to
-        # `interval` with WATCHDOG_USEC= once it trains (dflash/notify.py).
+        # `interval` with WATCHDOG_USEC= once it trains (dflash/runtime/notify.py).
         start = max(int(watchdog.get("start_interval") or 0), int(watchdog["interval"]))
         args += ["-p", f"WatchdogSec={start}s", "-p", "NotifyAccess=main"]
     if spec.get("on_failure"):

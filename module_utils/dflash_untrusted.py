@@ -39,13 +39,13 @@ MAX_DEPTH = 8
 
 INT, NUMBER, TEXT, BOOL, INT_LIST, TEXT_MAP = "int", "number", "text", "bool", "int list", "text map"
 
-# The heartbeat (dflash/observability.py): field -> kind; `step` is required, the others may be missing or null.
+# The heartbeat (dflash/runtime/observability.py): field -> kind; `step` is required, the others may be missing or null.
 HEARTBEAT_FIELDS = {
     "step": INT, "epoch": INT, "time": NUMBER, "pid": INT, "status": TEXT, "loss": NUMBER, "tau": NUMBER,
     "tokens_per_s": NUMBER, "error": TEXT, "failure_class": TEXT, "eval_step": INT, "eval_tau": NUMBER,
     "eval_acceptance_length": NUMBER,
 }  # fmt: skip
-# A node file of a multi-node job (dflash/multinode.py).
+# A node file of a multi-node job (dflash/runtime/multinode.py).
 NODE_FIELDS = {
     "step": INT, "time": NUMBER, "pid": INT, "status": TEXT, "error": TEXT, "node_rank": INT, "nnodes": INT,
     "node": TEXT, "run_id": TEXT, "joined": BOOL, "all_joined": BOOL, "world_size": INT, "missing": INT_LIST,

@@ -111,10 +111,10 @@ def tiny_config(tiny_dict, tmp_path):
 def fresh_signal_handlers():
     """The stop signals at their defaults (a fresh process's state, whatever earlier tests in this worker left
     installed), and every handler a test changes - SIGUSR1 and SIGABRT too, which the launcher passes on to its
-    workers (dflash/stacks.py) - put back after it; no stop request stays latched for a later test."""
+    workers (dflash/runtime/stacks.py) - put back after it; no stop request stays latched for a later test."""
     import signal
 
-    from dflash import stop
+    from dflash.runtime import stop
 
     saved = {s: signal.getsignal(s) for s in (*stop.SIGNALS, signal.SIGUSR1, signal.SIGABRT)}
     for s in stop.SIGNALS:

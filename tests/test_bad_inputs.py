@@ -248,7 +248,7 @@ def test_5_a_nan_loss_keeps_the_last_good_checkpoint_latest(write_config, tiny_d
                                                             monkeypatch):
     import torch
 
-    from dflash import train as train_module
+    from dflash.training import trainer as train_module
 
     real, calls = train_module.Trainer.optimizer_step, []
 
@@ -296,7 +296,7 @@ def test_6_export_onto_a_dangling_symlink_exits_2_and_writes_nothing(tmp_path, c
 def test_11_checkpoint_files_are_readable_like_the_rest_of_the_run(tmp_path, umask, mode):
     import stat
 
-    from dflash.checkpoint import CheckpointManager
+    from dflash.components.checkpoint import CheckpointManager
     from dflash.models.drafter import Drafter
 
     drafter = Drafter.load(tiny_drafter(tmp_path / "drafter"))
@@ -327,7 +327,7 @@ def test_10_bad_input_found_at_setup_leaves_a_failed_heartbeat_with_the_error(wr
     data.write_text('{"messages": [{"role": "user", "content": "count"}]}\n{not json}\n')
     tiny_dict["data"] = {**tiny_dict["data"], "synthetic": None, "regenerate": None, "train_path": str(data)}
     tiny_dict["output_dir"] = str(tmp_path / "run")
-    assert main(["train", str(write_config(tiny_dict))]) == 3  # a data error (dflash/failures.py)
+    assert main(["train", str(write_config(tiny_dict))]) == 3  # a data error (dflash/runtime/failures.py)
     line = one_error_line(capsys)
     beat = json.loads((tmp_path / "run" / "heartbeat.json").read_text())
     assert beat["status"] == "failed" and beat["step"] == 0 and beat["error"] == line.removeprefix("dflash: error: ")

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from dflash.checkpoint import BEST, BEST_TMP_PREFIX, CheckpointManager
 from dflash.cli import main
+from dflash.components.checkpoint import BEST, BEST_TMP_PREFIX, CheckpointManager
 from dflash.config import RunConfig, _build, validate
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
 
@@ -189,7 +189,7 @@ def test_drop_best_keeps_the_directory_as_an_ordinary_checkpoint(tmp_path):
 
 
 def test_export_takes_a_runs_best_by_default_and_the_newest_when_asked(tmp_path):
-    from dflash.export import choose_checkpoint, resolve_checkpoint
+    from dflash.components.export import choose_checkpoint, resolve_checkpoint
 
     run = tmp_path / "run"
     m = CheckpointManager(run / "checkpoints", keep_last=2)
@@ -214,7 +214,7 @@ def test_export_takes_a_runs_best_by_default_and_the_newest_when_asked(tmp_path)
 def test_an_eval_that_is_not_lossless_stops_the_run_and_never_becomes_the_best(tmp_path):
     """Step 4's eval scores highest, but one prompt differed from the target's greedy output: the run raises
     naming the prompt and the position, the best stays step 2's, and the checkpoints written so far are intact."""
-    from dflash.evaluate import EvalNotLossless
+    from dflash.evaluation.evaluate import EvalNotLossless
 
     trainer = Trainer(small_config(tmp_path)).setup()
 
@@ -246,8 +246,8 @@ def test_the_trainer_exits_2_on_a_real_mismatch_and_a_numerical_tie_is_none(tmp_
     """The real decoding path with a speculative decoder that gets generated position 3 wrong from the second eval
     on: `dflash train` exits 2 (bad_input: a restart would decode the same way) with one line naming the prompt and
     the position. The same difference where the target's own top-2 logits tie (TIE_TOLERANCE) is no mismatch."""
-    from dflash import evaluate
-    from dflash.speculative import Generation, greedy_generate
+    from dflash.evaluation import evaluate
+    from dflash.evaluation.speculative import Generation, greedy_generate
 
     d = yaml.safe_load(TINY.read_text())
     d["data"]["regenerate"] = None

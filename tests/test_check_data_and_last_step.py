@@ -21,7 +21,7 @@ def test_check_data_refuses_a_bad_line_that_check_alone_accepts(write_config, ti
     config = str(write_config(tiny_dict))
     assert main(["train", config, "--check"]) == 0  # the config alone is fine
     capsys.readouterr()
-    assert main(["train", config, "--check", "--check-data"]) == 3  # a data error (dflash/failures.py)
+    assert main(["train", config, "--check", "--check-data"]) == 3  # a data error (dflash/runtime/failures.py)
     err = capsys.readouterr().err
     assert err.startswith(f"dflash: error: {data}:3: malformed JSON") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()  # nothing written

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from dflash.checkpoint import CheckpointManager
+from dflash.components.checkpoint import CheckpointManager
 
 
 def write_payload(text):

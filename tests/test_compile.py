@@ -21,7 +21,7 @@ from dflash.compile import (
 )
 from dflash.config import CompileConfig, ConfigError, load_config
 from dflash.models.target import Target, build_hf_model
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 QWEN3 = {"model_type": "qwen3", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -77,7 +77,7 @@ def _target(spec=None):
 def test_compiled_hybrid_target_layers_give_the_eager_features():
     """The layers of a hybrid target compile around their GatedDeltaNet mixers (here the PyTorch path: no
     fast kernels on the CPU), which stay eager: traced, the fast kernels were slower than eager."""
-    from dflash.doctor import PROBE_HYBRID
+    from dflash.runtime.doctor import PROBE_HYBRID
 
     eager, compiled = _target(PROBE_HYBRID), _target(PROBE_HYBRID)
     mixers = [m for m in compiled.model.modules() if "GatedDeltaNet" in type(m).__name__]

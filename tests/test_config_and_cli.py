@@ -70,7 +70,7 @@ def test_malformed_data_line_exits_3_data_error_with_file_and_line(write_config,
                     '{"role": "assistant", "content": "w1 w2 w3 w4 w5 w6 w7 w8 w9"}]}\n{not json}\n')
     tiny_dict["data"] = {**tiny_dict["data"], "synthetic": None, "train_path": str(data)}
     tiny_dict["output_dir"] = str(tmp_path / "out")
-    assert main(["train", str(write_config(tiny_dict))]) == 3  # data_error (dflash/failures.py)
+    assert main(["train", str(write_config(tiny_dict))]) == 3  # data_error (dflash/runtime/failures.py)
     err = capsys.readouterr().err
     assert f"{data}:2: malformed JSON" in err
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import evaluate
-from dflash.checkpoint import CheckpointManager
 from dflash.cli import main
+from dflash.components.checkpoint import CheckpointManager
 from dflash.data.synthetic import generate_conversations
-from dflash.evaluate import LosslessnessError, Prompt, evaluate_speculative
+from dflash.evaluation import evaluate
+from dflash.evaluation.evaluate import LosslessnessError, Prompt, evaluate_speculative
+from dflash.evaluation.speculative import Generation, greedy_generate
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model
-from dflash.speculative import Generation, greedy_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"

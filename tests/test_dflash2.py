@@ -29,11 +29,11 @@ import yaml
 from safetensors.torch import load_file
 
 from dflash.cli import main
+from dflash.components.export import export
 from dflash.config import RunConfig, _build, validate
-from dflash.export import export
+from dflash.evaluation.speculative import greedy_generate, speculative_generate
 from dflash.models.drafter import Drafter, DrafterArch
 from dflash.models.target import Target, build_hf_model
-from dflash.speculative import greedy_generate, speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
@@ -272,7 +272,7 @@ def tiny_dflash2_dict(output_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def trained2(tmp_path_factory):
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     base = tmp_path_factory.mktemp("dflash2")
     d = tiny_dflash2_dict(base / "run")
@@ -285,7 +285,7 @@ def trained2(tmp_path_factory):
 def test_a_tiny_dflash2_trains_exports_and_loads_everywhere(trained2, tmp_path):
     from transformers import AutoModel
 
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     out = trained2["float32"]
     cfg = json.loads((out / "config.json").read_text())
@@ -396,7 +396,7 @@ def test_a_dflash2_run_config_with_a_bad_field_exits_2_naming_it(tmp_path, capsy
 # ------------------------------------------------------------------------------------ acceptance by position
 def test_acceptance_is_bucketed_by_output_position():
     """Item 4 of issue 48: rounds are bucketed by the output position of their first committed token."""
-    from dflash.evaluate import EvalReport
+    from dflash.evaluation.evaluate import EvalReport
 
     report = EvalReport(block_size=8, histogram=[0] * 8)
     # rounds start at output positions 1, 9, 17, ...: 8 tokens each up to 1025, then 1 token each
@@ -417,7 +417,7 @@ def test_acceptance_is_bucketed_by_output_position():
 def test_the_cached_decoding_path_computes_the_training_forward():
     """DrafterSession (real decoding: context K/V cached, appended in parts) gives the training forward's block
     hidden states for a DFlash2 drafter with sliding non-causal layers, and proposes the selector's picks."""
-    from dflash.speculative import DrafterSession
+    from dflash.evaluation.speculative import DrafterSession
 
     hf = build_hf_model(None, {"model_type": "qwen3", "vocab_size": 60, "hidden_size": 32, "intermediate_size": 64,
                                "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,

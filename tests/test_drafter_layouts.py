@@ -15,12 +15,12 @@ import torch
 import yaml
 
 from dflash.cli import main
+from dflash.components.export import export
 from dflash.config import RunConfig, _build, validate
 from dflash.errors import ConfigError
-from dflash.export import export
+from dflash.evaluation.speculative import DrafterSession
 from dflash.models.attention import FULL, LayerMask, dense_mask, flex_block_mask, visible
 from dflash.models.drafter import Drafter, DrafterArch, arch_rope_cos_sin
-from dflash.speculative import DrafterSession
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
@@ -426,7 +426,7 @@ def test_a_qwen36_like_drafter_loads_trains_and_exports_its_layout(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModel
 
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     release = tmp_path / "release"
     release.mkdir()
@@ -461,7 +461,7 @@ def test_a_qwen36_like_drafter_loads_trains_and_exports_its_layout(tmp_path):
 
 
 def test_the_trainer_builds_the_configs_layout(tmp_path):
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     trainer = Trainer(_build(RunConfig, tiny_run(tmp_path / "run", layer_types=SLIDING, sliding_window=6), "")).setup()
     assert [layer.self_attn.layer_mask for layer in trainer.drafter.layers] == [LayerMask(6, True), FULL]
@@ -469,7 +469,7 @@ def test_the_trainer_builds_the_configs_layout(tmp_path):
 
 def test_run_config_layout_reaches_the_trained_drafter_and_its_export(tmp_path):
     """drafter.layer_types / sliding_window build the drafter's layout: trained, checkpointed, exported."""
-    import dflash.train as train_module
+    import dflash.training.trainer as train_module
 
     trainer_config = tiny_run(tmp_path / "run", layer_types=SLIDING, sliding_window=6)
     trainer = train_module.Trainer(_build(RunConfig, trainer_config, "")).setup()
@@ -488,10 +488,10 @@ def test_init_from_gives_the_layout_a_conflicting_config_is_refused_and_the_cont
     (an earlier dflash) is compared with what its drafter config.json says it trained."""
     import logging
 
-    from dflash.checkpoint import CONTRACT, MANIFEST, CheckpointManager
+    from dflash.components.checkpoint import CONTRACT, MANIFEST, CheckpointManager
     from dflash.errors import BadInput
     from dflash.fileio import sha256_file
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     init = tmp_path / "init"
     arch = DrafterArch(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -10,7 +10,7 @@ import pytest
 
 from dflash.cli import main
 from dflash.errors import BadInput
-from dflash.suites import (
+from dflash.evaluation.suites import (
     HUMANEVAL_INSTRUCTION,
     MATH_INSTRUCTION,
     SUITES,

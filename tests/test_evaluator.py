@@ -1,4 +1,4 @@
-"""The evaluation component on its own (dflash.evaluate.Evaluator): a tiny random-weight target, an untrained
+"""The evaluation component on its own (dflash.evaluation.evaluate.Evaluator): a tiny random-weight target, an untrained
 drafter and the synthetic counting language, no Trainer. What it reports: the simulated tau over every held-out
 sample at fixed anchors, the tau along the decoding path, the real acceptance length of its prompts, one record
 (log line, metrics.jsonl, heartbeat fields); a stop request or a missing target yields no record."""
@@ -13,21 +13,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash import stop
+from dflash.components.loss import BlockPass, valid_anchor_positions
 from dflash.data.buckets import BatchShape
 from dflash.data.chat import tokenize_conversations
 from dflash.data.synthetic import build_tokenizer, generate_conversations
-from dflash.evaluate import (
+from dflash.evaluation.evaluate import (
     Evaluator,
     TargetFeatures,
     eos_ids_of,
     evaluate_speculative,
     prompts_from_tokenized,
 )
-from dflash.loss import BlockPass, valid_anchor_positions
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model
-from dflash.observability import RunObserver
+from dflash.runtime import stop
+from dflash.runtime.observability import RunObserver
 
 TARGET = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512}

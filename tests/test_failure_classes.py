@@ -1,4 +1,4 @@
-"""Failure classes (dflash/failures.py): every end of the trainer has a class and its exit code, written into the
+"""Failure classes (dflash/runtime/failures.py): every end of the trainer has a class and its exit code, written into the
 heartbeat before the exit; the unit's restart policy reads the code (tests/ansible/test_ansible_failure_classes.py)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dflash import failures
 from dflash.cli import main
-from dflash.train import Trainer
+from dflash.runtime import failures
+from dflash.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_a_real_gloo_collective_timeout_is_classified(tmp_path):
     script = textwrap.dedent("""
         import datetime, json, os, sys, threading
         import torch, torch.distributed as dist
-        from dflash.failures import classify
+        from dflash.runtime.failures import classify
         store, groups = dist.HashStore(), {}
         def make(rank):
             groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, 2, datetime.timedelta(seconds=1))
@@ -136,11 +136,11 @@ def test_the_launcher_returns_the_class_of_the_first_failed_rank(tiny_config, mo
     """launch_torchrun with a stand-in for torchrun that exits 1 (as torchrun does whichever rank failed) after a
     rank recorded out of memory: the launcher's exit is the class's code, not torchrun's 1."""
     from dflash import launch
-    from dflash.distributed.topology import plan_ranks
+    from dflash.runtime.topology import plan_ranks
 
     out = tiny_config.output_dir
     failures.write_rank_failure(out, 3, "gpu_error", "a stale record of an earlier launch")  # cleared at the start
-    script = ("import sys; from dflash import failures; "
+    script = ("import sys; from dflash.runtime import failures; "
               f"failures.write_rank_failure({out!r}, 1, 'cuda_oom', 'cuda_oom: CUDA out of memory'); sys.exit(1)")
     monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", script])
     rc = launch.launch_torchrun(tiny_config, "unused.yaml", [], plan_ranks(tiny_config.topology))

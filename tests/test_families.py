@@ -278,7 +278,7 @@ def test_a_fictional_family_is_one_entry_of_the_table(toy_architecture, monkeypa
     monkeypatch.setattr(families, "FAMILIES", (*FAMILIES, installed))  # its kernels importable: the fast path
     assert fast_path_report(model, 4).fast
     monkeypatch.setattr(families, "FAMILIES", (*FAMILIES, TOY))
-    from dflash import doctor
+    from dflash.runtime import doctor
 
     info = doctor.collect()  # the doctor lists every family's kernels packages
     assert info["toy_kernels"] is False and "toy-kernels: no" in doctor.render(info)
@@ -294,7 +294,7 @@ def test_a_fictional_family_is_one_entry_of_the_table(toy_architecture, monkeypa
 
 def test_a_fictional_family_splits_by_layers_and_compiles_around_its_mixer(toy_architecture, monkeypatch):
     from dflash.compile import compile_target_layers
-    from dflash.distributed.stages import TargetStage
+    from dflash.runtime.stages import TargetStage
 
     monkeypatch.setattr(families, "FAMILIES", (*FAMILIES, TOY))
     ids = torch.randint(0, 64, (2, 7))

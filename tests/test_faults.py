@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 
-import dflash.checkpoint as ckpt_mod
-from dflash.checkpoint import CheckpointManager, ensure_writable
+import dflash.components.checkpoint as ckpt_mod
 from dflash.cli import main
+from dflash.components.checkpoint import CheckpointManager, ensure_writable
 from dflash.config import default_layer_ids, load_config
 from dflash.data.chat import read_jsonl
 from dflash.errors import BadInput, ConfigError, DataError
@@ -196,7 +196,7 @@ def test_garbage_manifest_is_damage_not_a_crash(tmp_path, kind):
 def trained(tmp_path_factory):
     """(config dict, run dir) of a 6-step tiny run with checkpoints at steps 3 and 6."""
     from dflash.config import RunConfig, _build
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     data = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
     base = tmp_path_factory.mktemp("trained")
@@ -224,7 +224,7 @@ def run_copy(trained, tmp_path):
 
 
 def test_trainer_and_export_fall_back_from_a_garbage_manifest(run_copy, tmp_path, capsys):
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     data, run, cfg_file = run_copy
     (run / "checkpoints" / "step-00000006" / "manifest.json").write_bytes(GARBAGE["random-bytes"])
@@ -260,7 +260,7 @@ def test_all_checkpoints_damaged_stops_with_exit_2_unless_resume_false(run_copy,
     assert {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()} == before
     assert json.loads((run / "heartbeat.json").read_text())["status"] == "failed"
 
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     assert Trainer(load_config(cfg_file, ["checkpoint.resume=false"])).setup().step == 0
 
@@ -297,7 +297,7 @@ def test_non_utf8_data_exits_3_data_error_naming_file_and_line(write_config, tin
         read_jsonl(data)
     tiny_dict["data"] = {**tiny_dict["data"], "synthetic": None, "train_path": str(data)}
     tiny_dict["output_dir"] = str(tmp_path / "out")
-    assert main(["train", str(write_config(tiny_dict))]) == 3  # a data error (dflash/failures.py)
+    assert main(["train", str(write_config(tiny_dict))]) == 3  # a data error (dflash/runtime/failures.py)
     err = capsys.readouterr().err
     assert f"{data}:2: not UTF-8" in err and err.count("\n") == 1 and "Traceback" not in err
 
@@ -362,7 +362,7 @@ def test_rejected_input_during_setup_leaves_a_failed_heartbeat_and_no_checkpoint
 # ------------------------------------------------------------------------------ D11: changed config on resume
 
 def test_changed_lr_on_resume_is_applied_and_logged(run_copy, capsys):
-    from dflash.train import Trainer, cosine_schedule
+    from dflash.training.trainer import Trainer, cosine_schedule
 
     data, run, cfg_file = run_copy
     cfg = load_config(cfg_file, ["optim.lr=1e-3", "optim.eps=1e-6", "optim.weight_decay=0.1"])
@@ -397,7 +397,7 @@ class _Evil:
 
 
 def test_trainer_state_loads_with_weights_only(run_copy, monkeypatch):
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     _, run, cfg_file = run_copy
     path = run / "checkpoints" / "step-00000006"
@@ -418,8 +418,8 @@ def test_trainer_state_loads_with_weights_only(run_copy, monkeypatch):
 def test_older_tuple_rng_state_still_resumes_and_unsafe_state_is_refused(run_copy):
     import random
 
-    from dflash.checkpoint import load_trainer_state
-    from dflash.train import Trainer
+    from dflash.components.checkpoint import load_trainer_state
+    from dflash.training.trainer import Trainer
 
     _, run, cfg_file = run_copy
     path = run / "checkpoints" / "step-00000006"
@@ -489,8 +489,8 @@ def test_default_layer_ids_use_pythons_round():
 # The save runs in a child that SIGKILLs itself at a phase: nothing of Python runs after the signal.
 KILL_AT = r"""
 import os, shutil, signal, sys
-import dflash.checkpoint as ckpt
-from dflash.checkpoint import CheckpointManager
+import dflash.components.checkpoint as ckpt
+from dflash.components.checkpoint import CheckpointManager
 directory, phase = sys.argv[1], sys.argv[2]
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 m = CheckpointManager(directory, keep_last=2)

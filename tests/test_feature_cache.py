@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.config import ConfigError, load_config
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 
 def _run(cfg, steps):

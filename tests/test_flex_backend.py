@@ -12,10 +12,10 @@ import torch
 
 import dflash.compile as compile_mod
 import dflash.models.attention as attention
-import dflash.train as train_mod
+import dflash.training.drafter_setup as drafter_setup
 from dflash.config import CompileConfig, ConfigError, load_config
 from dflash.errors import BadInput
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -28,7 +28,7 @@ def hopper_with_flash(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     version = {"value": "4.0.0b5"}
     monkeypatch.setattr(compile_mod, "flash_version", lambda: version["value"])
-    monkeypatch.setattr(train_mod, "flash_version", lambda: version["value"])
+    monkeypatch.setattr(drafter_setup, "flash_version", lambda: version["value"])
     return SimpleNamespace(capability=capability, version=version)
 
 
@@ -86,6 +86,11 @@ def _fake_trainer(backend: str, kernel_options=None):
                            drafter=SimpleNamespace(arch=arch), device=CUDA0)
 
 
+def _flex_kernel_options(trainer, mode: str) -> dict:
+    """The kernel options the trainer's drafter setup picks for `trainer`'s config, drafter and device."""
+    return drafter_setup.flex_kernel_options(trainer.config.compile, trainer.drafter.arch, trainer.device, mode)
+
+
 def test_trainer_uses_flash_when_its_check_passes_and_triton_with_one_warning_when_not(hopper_with_flash,
                                                                                       monkeypatch, caplog):
     verdict = {"value": None}
@@ -95,16 +100,16 @@ def test_trainer_uses_flash_when_its_check_passes_and_triton_with_one_warning_wh
         calls.append((mode, heads, kv_heads, head_dim, block_size, device, set(layers)))
         return verdict["value"]
 
-    monkeypatch.setattr(train_mod, "probe_flash", probe)
+    monkeypatch.setattr(drafter_setup, "probe_flash", probe)
     caplog.set_level(logging.INFO, logger="dflash")
-    assert Trainer._flex_kernel_options(_fake_trainer("auto"), "default") == {"BACKEND": "FLASH"}
+    assert _flex_kernel_options(_fake_trainer("auto"), "default") == {"BACKEND": "FLASH"}
     # checked at the drafter's own head layout and each of its layer layouts
     assert calls == [("default", 32, 8, 128, 16, CUDA0, {attention.LayerMask(64, True), attention.FULL})]
     assert "flex_attention on FlashAttention-4's kernels (flash-attn-4 4.0.0b5" in caplog.text
 
     caplog.clear()
     verdict["value"] = "its result differs from the Triton kernels' by 3.00e-01 (relative), above 2e-02"
-    options = Trainer._flex_kernel_options(_fake_trainer("auto"), "default")
+    options = _flex_kernel_options(_fake_trainer("auto"), "default")
     assert options == attention.TUNED_FLEX_OPTIONS[((9, 0), 128)]  # the measured Triton tiles
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "failed their start-up check (its result differs" in warnings[0].getMessage()
@@ -112,7 +117,7 @@ def test_trainer_uses_flash_when_its_check_passes_and_triton_with_one_warning_wh
 
     calls.clear()
     caplog.clear()
-    assert Trainer._flex_kernel_options(_fake_trainer("triton", {"bwd_num_warps": 8}), "default") == {
+    assert _flex_kernel_options(_fake_trainer("triton", {"bwd_num_warps": 8}), "default") == {
         "bwd_num_warps": 8}
     assert calls == []  # no check when Triton is asked for
     assert "(Triton: compile.flex_backend=triton)" in caplog.text

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dflash.cli import main
+from dflash.components.float8 import check_float8, float8_linears
 from dflash.errors import ConfigError
-from dflash.float8 import check_float8, float8_linears
 from dflash.models.drafter import Drafter
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 pytest.importorskip("torchao.float8")
 
@@ -91,7 +91,7 @@ def test_float8_is_refused_on_a_gpu_without_float8_tensor_cores(monkeypatch):
 
 
 def test_float8_leaves_layers_whose_dimensions_float8_cannot_take(monkeypatch):
-    from dflash.float8 import convert_linears
+    from dflash.components.float8 import convert_linears
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 10, bias=False))
     kept = convert_linears(model)
@@ -136,7 +136,7 @@ def test_a_float8_run_from_the_cli_keeps_stderr_empty(write_config, tiny_dict, t
 
 
 def test_float8_conversion_can_keep_named_layers():
-    from dflash.float8 import convert_linears
+    from dflash.components.float8 import convert_linears
 
     model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(64, 64), "fc": torch.nn.Linear(64, 64)})
     assert convert_linears(model, skip=("fc",)) == ["fc"] and float8_linears(model) == ["q_proj"]
@@ -148,7 +148,7 @@ def _rel(a, b):
 
 
 def test_float8_head_matmuls_match_the_full_precision_ones_within_float8_rounding():
-    from dflash.float8 import float8_head
+    from dflash.components.float8 import float8_head
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=gen) * 0.05
@@ -157,7 +157,7 @@ def test_float8_head_matmuls_match_the_full_precision_ones_within_float8_roundin
     assert float8_head(weight) is head  # cast once per frozen head, not per call
     assert _rel(head.logits(rows, torch.float32), rows @ weight.t()) < 0.06
     g = torch.randn(40, 96, generator=gen)
-    from dflash.float8 import E5M2, rowwise
+    from dflash.components.float8 import E5M2, rowwise
 
     g8, scale = rowwise(g, E5M2)
     assert _rel(head.rows_grad(g8, scale, torch.float32), g @ weight) < 0.1
@@ -166,7 +166,7 @@ def test_float8_head_matmuls_match_the_full_precision_ones_within_float8_roundin
 
 
 def test_float8_loss_rows_give_the_loss_exactly_and_the_gradient_within_e5m2_rounding():
-    from dflash.loss import GRAD_FLOAT8_TOP, ce_rows, ce_rows_float8
+    from dflash.components.loss import GRAD_FLOAT8_TOP, ce_rows, ce_rows_float8
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(64, 96, generator=gen) * 3
@@ -192,7 +192,7 @@ def test_float8_loss_rows_give_the_loss_exactly_and_the_gradient_within_e5m2_rou
 
 
 def test_float8_head_loss_and_gradient_follow_the_full_precision_loss():
-    from dflash.loss import Blocks, weighted_block_loss
+    from dflash.components.loss import Blocks, weighted_block_loss
 
     gen = torch.Generator().manual_seed(2)
     b, m, bs, h, vocab = 2, 5, 4, 64, 96
@@ -233,7 +233,7 @@ def test_float8_head_trains_and_is_a_config_error_without_float8_or_the_fused_lo
 
 
 def test_float8_head_refuses_a_head_shape_float8_matmuls_cannot_take(tiny_config, tmp_path):
-    from dflash.float8 import check_float8_head
+    from dflash.components.float8 import check_float8_head
 
     check_float8_head(151936, 4096)  # Qwen3's: fine
     with pytest.raises(ConfigError, match="the LM head is 32001 x 4096.*set drafter.float8_head: false"):
@@ -257,7 +257,7 @@ def _rel(a, b):
 
 
 def test_target_float8_features_follow_the_full_precision_ones_and_decoding_keeps_its_precision():
-    from dflash.float8 import target_float8
+    from dflash.components.float8 import target_float8
     from dflash.models.target import Target, build_hf_model
 
     model = build_hf_model(None, dict(TARGET), "float32", seed=0)
@@ -280,7 +280,7 @@ def test_target_float8_features_follow_the_full_precision_ones_and_decoding_keep
 
 
 def test_target_float8_keeps_odd_layers_and_puts_back_an_instance_forward():
-    from dflash.float8 import target_float8
+    from dflash.components.float8 import target_float8
 
     class Holder(torch.nn.Module):
         def __init__(self):
@@ -303,7 +303,7 @@ def test_target_float8_keeps_odd_layers_and_puts_back_an_instance_forward():
 
 def test_target_float8_in_compiled_layers_gives_the_eager_float8_features():
     from dflash.compile import compile_target_layers
-    from dflash.float8 import target_float8
+    from dflash.components.float8 import target_float8
     from dflash.models.target import Target, build_hf_model
 
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -341,9 +341,9 @@ def test_target_float8_trains_and_is_refused_on_a_gpu_without_float8_tensor_core
 def test_target_float8_stages_of_a_split_target_chain_to_the_unsplit_float8_features():
     """A layer-split target (topology.target_stages) puts each stage's layers in float8: chained, the stages give
     the unsplit float8 target's features."""
-    from dflash.distributed.stages import TargetStage, stage_bounds
-    from dflash.float8 import target_float8
+    from dflash.components.float8 import target_float8
     from dflash.models.target import Target, build_hf_model
+    from dflash.runtime.stages import TargetStage, stage_bounds
 
     taps = [1, 2, 4]
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(2))

@@ -1,4 +1,4 @@
-"""Counted attention work of a drafter step (dflash/flops.py): per layer, the keys its mask lets each valid
+"""Counted attention work of a drafter step (dflash/components/flops.py): per layer, the keys its mask lets each valid
 block's queries see — the count of the mask itself (dflash.models.attention.dense_mask) for full, sliding and
 causal layers."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.flops import visible_keys
+from dflash.components.flops import visible_keys
 from dflash.models.attention import LayerMask, dense_mask
 
 

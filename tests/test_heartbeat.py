@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 
-from dflash.observability import RunObserver
+from dflash.runtime.observability import RunObserver
 
 
 def _refresh_ended(observer) -> bool:

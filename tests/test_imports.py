@@ -21,28 +21,24 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 # The layers, lowest first. A module imports modules of its own layer or of lower ones, never of a higher one.
-# An entry names a module ("dflash.config") or every module of a package, its __init__ and its subpackages
-# ("dflash.data.*");
-# the most specific entry wins, so a new module of a listed package has its package's layer, and a new
-# top-level module must be added here (the test says so).
+# A layer is a set of folders: an entry "dflash.x.*" names the folder dflash/x/ (its __init__, every module in it
+# and its subfolders), so a module's layer is its folder's. The top level's own modules are named one by one
+# ("dflash.config"): the base everything uses, `inputs` (shared by training and evaluation) and the commands; a new
+# top-level module fails the test until it is added here, a new module of a folder takes the folder's layer.
 LAYERS: dict[str, list[str]] = {
-    # errors, files, the logger, the config schema, devices: what everything uses
-    "base": ["dflash", "dflash.errors", "dflash.fileio", "dflash.logs", "dflash.config", "dflash.driver", "dflash.packaged",
-             "dflash.devices"],
-    # data (chat JSONL, tokenizer, buckets, prompts), the models (target, drafter, the target family table) and
-    # how they are compiled (per family), the loss and metrics, checkpoints and export, the speculative
-    # decoding loop
-    "data and models": ["dflash.data.*", "dflash.models.*", "dflash.compile", "dflash.loss", "dflash.metrics",
-                        "dflash.float8", "dflash.flops", "dflash.checkpoint", "dflash.export", "dflash.speculative"],
-    # the process runtime of every command: stop signals, the torchrun launcher, ranks' topology and transfers,
-    # hang evidence, the supervisor's watchdog, failure classes, run records, multi-node presence, the doctor
-    "runtime": ["dflash.stop", "dflash.torchrun", "dflash.distributed.*", "dflash.stacks", "dflash.notify",
-                "dflash.failures", "dflash.observability", "dflash.trackers", "dflash.multinode", "dflash.doctor"],
-    # what the commands run: the trainer, its CUDA-graph step and its inputs, its ranks (dflash.distributed's entry point runs
-    # the trainer), evaluation, regeneration
-    "pipelines": ["dflash.inputs", "dflash.train", "dflash.checkpointer", "dflash.step_graph", "dflash.distributed", "dflash.distributed.ranks",
-                  "dflash.evaluate", "dflash.evaluation", "dflash.evaluation.*", "dflash.suites",
-                  "dflash.regenerate.*"],
+    # errors, files, the logger, the config schema, devices, torch.compile applied from outside: what everything uses
+    "base": ["dflash", "dflash.errors", "dflash.fileio", "dflash.logs", "dflash.config", "dflash.driver",
+             "dflash.packaged", "dflash.devices", "dflash.compile"],
+    # data (chat JSONL, tokenizer, buckets, prompts) and the models (target, drafter, the target family table)
+    "data and models": ["dflash.data.*", "dflash.models.*"],
+    # the parts a pipeline is built from: the block pass and its loss, metrics, FLOPs, float8, checkpoints, export
+    "components": ["dflash.components.*"],
+    # the process runtime of every command: stop signals, the torchrun launcher, ranks' topology, transfers, stages
+    # and setup barrier, hang evidence, the supervisor's watchdog, failure classes, run records and trackers,
+    # multi-node presence, the doctor
+    "runtime": ["dflash.runtime.*"],
+    # what the commands run: the trainer and its ranks, evaluation, regeneration, and the run's inputs they share
+    "pipelines": ["dflash.inputs", "dflash.training.*", "dflash.evaluation.*", "dflash.regenerate.*"],
     # the command line, `dflash train`'s launch and the operator's client
     "commands": ["dflash.cli", "dflash.__main__", "dflash.launch", "dflash.ops.*"],
 }
@@ -153,10 +149,23 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_walk_sees_the_package():
-    assert {"dflash.train", "dflash.distributed.ranks", "dflash.distributed.stages", "dflash.models.target"} <= set(MODULES)
+    assert {"dflash.training.trainer", "dflash.training.ranks", "dflash.runtime.stages", "dflash.models.target"} <= set(MODULES)
     edges = graph()
-    assert "dflash.train" in edges["dflash.distributed.ranks"]  # a known edge is found
-    assert "dflash.stop" in edges["dflash.train"]  # `from dflash import stop` is an edge to the module
+    assert "dflash.training.trainer" in edges["dflash.training.ranks"]  # a known edge is found
+    assert "dflash.runtime.failures" in edges["dflash.training.trainer"]  # `from dflash.runtime import failures`
+
+
+def test_a_folder_is_one_layer_and_the_top_level_is_named_module_by_module():
+    """Every entry of LAYERS is a folder ("dflash.x.*", once) or a module of the top level; every folder of the
+    package is in LAYERS: `ls dflash` shows the layers."""
+    entries = [entry for names in LAYERS.values() for entry in names]
+    assert len(entries) == len(set(entries))
+    folders = {entry[:-2] for entry in entries if entry.endswith(".*")}
+    assert all(entry.count(".") <= 1 for entry in entries if not entry.endswith(".*")), "a module inside a folder"
+    assert all(folder.count(".") == 1 for folder in folders), "a subfolder named on its own"
+    on_disk = {f"dflash.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert on_disk == folders, f"folders without a layer: {sorted(on_disk - folders)}; named but absent: " \
+                               f"{sorted(folders - on_disk)}"
 
 
 def test_no_import_cycle():

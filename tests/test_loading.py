@@ -16,12 +16,12 @@ import yaml
 from safetensors.torch import load_file
 
 from dflash.cli import main
+from dflash.components.export import export
 from dflash.config import RunConfig, _build, validate
 from dflash.errors import BadInput
-from dflash.export import export
 from dflash.models.drafter import Drafter
 from dflash.models.target import build_hf_model
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss import (
+from dflash.components.loss import (
     BlockStats,
     build_blocks,
     position_weights,
@@ -90,7 +90,7 @@ def test_tau_counts_leading_correct_predictions():
     labels = torch.zeros(1, 3, 4, dtype=torch.long)
     valid = torch.ones(1, 3, 4, dtype=torch.bool)
     valid[0, 2, 2:] = False
-    from dflash.loss import Blocks
+    from dflash.components.loss import Blocks
 
     blocks = Blocks(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[True, True, True]]),
                     torch.zeros(1, 3, 5, dtype=torch.long), labels, valid)
@@ -158,7 +158,7 @@ def test_compiled_ce_rows_matches_eager_with_one_graph_for_every_row_count():
     last chunk's length changes with every batch."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from dflash.loss import ce_rows, compile_ce_rows
+    from dflash.components.loss import ce_rows, compile_ce_rows
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")

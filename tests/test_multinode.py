@@ -1,4 +1,4 @@
-"""The nodes of one job meet in node 0's presence store (dflash/multinode.py): each writes its node file, and a
+"""The nodes of one job meet in node 0's presence store (dflash/runtime/multinode.py): each writes its node file, and a
 failed job names the node it lost first — one whose ranks ended, one that vanished, or node 0 itself."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dflash import multinode
-from dflash.multinode import NodePresence
+from dflash.runtime import multinode
+from dflash.runtime.multinode import NodePresence
 
 
 class Liveness:

@@ -15,7 +15,7 @@ from test_eval_suites import TINY, one_error_line
 
 from dflash.cli import main
 from dflash.data.benchmarks import PACKAGED_SUITES
-from dflash.suites import read_suite
+from dflash.evaluation.suites import read_suite
 
 MATH = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -98,9 +98,9 @@ def test_no_prompt_lookup_skips_the_baseline(tiny, tmp_path, capsys):
 
 
 def test_mtbench_sends_the_second_turn_after_the_targets_own_first_answer(tiny, tmp_path, monkeypatch):
-    from dflash import evaluate
     from dflash.data.synthetic import build_tokenizer
-    from dflash.evaluate import render_prompt_ids
+    from dflash.evaluation import evaluate
+    from dflash.evaluation.evaluate import render_prompt_ids
 
     calls = []
     greedy = evaluate.greedy_generate
@@ -143,7 +143,7 @@ def target():
 
 
 def test_prompt_lookup_accepts_more_than_one_token_on_a_repeating_prompt_and_is_lossless(target):
-    from dflash.speculative import greedy_generate, prompt_lookup_generate
+    from dflash.evaluation.speculative import greedy_generate, prompt_lookup_generate
 
     prompt = torch.tensor([5, 9, 11, 20, 21, 22, 23] * 4)
     ref = greedy_generate(target, prompt, 30, [3], vocab_limit=87)
@@ -158,8 +158,8 @@ def test_prompt_lookup_accepts_more_than_one_token_on_a_repeating_prompt_and_is_
 def test_a_round_cut_by_max_new_tokens_counts_the_tokens_kept(target, tiny):
     """Both acceptance lengths are output tokens per verify forward: a drafter whose every token is accepted
     commits 1 + 8 + 8 tokens in two rounds, of which 12 are kept: the rounds count 8 and 3."""
+    from dflash.evaluation.speculative import speculative_generate
     from dflash.models.drafter import Drafter
-    from dflash.speculative import speculative_generate
 
     _, drafter_dir = tiny
     drafter = Drafter.load(drafter_dir).eval()

@@ -122,7 +122,7 @@ def test_regenerate_reads_parquet_like_jsonl_and_a_bad_row_is_one_line(tmp_path,
     assert manifest["counts"]["written"] == 2
     capsys.readouterr()
     bad_row = {"conversations": [{"from": "gpt", "value": "x"}]}
-    # the exit code of a bad row of the project's JSONL: 2 (bad input; 3 where dflash/failures.py gives data
+    # the exit code of a bad row of the project's JSONL: 2 (bad input; 3 where dflash/runtime/failures.py gives data
     # errors a class of their own); a bad row of a parquet file ends alike
     expected = regen(write_jsonl(tmp_path / "bad.jsonl", [SHAREGPT[0], bad_row]), tmp_path / "o.jsonl")
     assert expected in (2, 3)

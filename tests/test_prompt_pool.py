@@ -209,6 +209,6 @@ def test_licences_and_the_tasks_left_out(tmp_path, capsys):
 
 
 def test_the_pool_asks_as_the_suites_ask():
-    from dflash import suites
+    from dflash.evaluation import suites
 
     assert (MATH_INSTRUCTION, HUMANEVAL_INSTRUCTION) == (suites.MATH_INSTRUCTION, suites.HUMANEVAL_INSTRUCTION)

@@ -84,7 +84,7 @@ def test_regenerate_train_eval_dense_target_real_acceptance(tmp_path):
 
 @pytest.mark.slow
 def test_regenerate_train_eval_hybrid_target_is_lossless(tmp_path):
-    from dflash.doctor import PROBE_HYBRID
+    from dflash.runtime.doctor import PROBE_HYBRID
 
     hybrid = {**PROBE_HYBRID, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_hidden_layers": 6,

@@ -289,7 +289,7 @@ def regen(tmp_path: Path, inp: Path, out: Path, *extra: str) -> int:
     ('{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not UTF-8"),
 ])
 def test_a_bad_data_row_exits_3_naming_the_line_and_writes_nothing(tmp_path, capsys, row, message):
-    """A data error (dflash/failures.py: data_error, exit 3), never restarted."""
+    """A data error (dflash/runtime/failures.py: data_error, exit 3), never restarted."""
     good = {"messages": [{"role": "user", "content": "count by 1 from w1"}]}
     sharegpt = {"conversations": [{"from": "human", "value": "count"}, {"from": "gpt", "value": "w1"}]}
     inp = write_rows(tmp_path / "in.jsonl", [good, sharegpt, row, good])

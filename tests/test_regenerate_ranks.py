@@ -1,5 +1,5 @@
-"""`dflash regenerate --nproc 2` stopped by SIGTERM: the one torchrun launcher (dflash/torchrun.py) passes the
-signal on to each rank, each rank stops after the shard it is writing (dflash/stop.py), and a rerun resumes to
+"""`dflash regenerate --nproc 2` stopped by SIGTERM: the one torchrun launcher (dflash/runtime/torchrun.py) passes the
+signal on to each rank, each rank stops after the shard it is writing (dflash/runtime/stop.py), and a rerun resumes to
 the output an uninterrupted single-process run writes."""
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.checkpoint import CONTRACT, MANIFEST, CheckpointManager
 from dflash.cli import main
+from dflash.components.checkpoint import CONTRACT, MANIFEST, CheckpointManager
 from dflash.config import ConfigError, RunConfig, _build, validate
 from dflash.errors import BadInput
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
 

@@ -1,5 +1,5 @@
 """The runtime every multi-rank command shares: a stop that ends regenerate's work at once but never cuts a
-shard write (dflash/stop.py), the one torchrun launcher (dflash/torchrun.py), the command's log stream
+shard write (dflash/runtime/stop.py), the one torchrun launcher (dflash/runtime/torchrun.py), the command's log stream
 (dflash/logs.py)."""
 
 import os
@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from dflash import logs, stop, torchrun
+from dflash import logs
+from dflash.runtime import stop, torchrun
 
 pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")  # tests/conftest.py
 

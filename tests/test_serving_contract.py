@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.cli import main
+from dflash.components.export import export
 from dflash.errors import BadInput
-from dflash.export import export
 from dflash.models.drafter import Drafter, DrafterArch
 from dflash.models.serving_contract import check_export
 
@@ -147,7 +147,7 @@ def test_check_of_a_directory_without_weights_exits_2(tmp_path, capsys):
 def test_a_released_layout_dflash2_directory_passes_and_warm_starts(tmp_path, capsys):
     """z-lab's published DFlash2 config.json, every key kept, scaled down to a tiny geometry, with bf16 weights of the
     published names: `dflash export --check` passes (a one-spelling RoPE is a warning) and init_from loads it."""
-    from dflash.export import load_init_drafter
+    from dflash.components.export import load_init_drafter
     from dflash.models.serving_contract import expected_shapes
 
     released = json.loads((Path(__file__).parent / "data" / "dflash2-released-config.json").read_text())

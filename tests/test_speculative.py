@@ -6,10 +6,15 @@ import json
 import pytest
 import torch
 
-from dflash.doctor import PROBE_HYBRID
+from dflash.evaluation.speculative import (
+    DrafterSession,
+    first_difference,
+    greedy_generate,
+    speculative_generate,
+)
 from dflash.models.drafter import Drafter, arch_from_target
 from dflash.models.target import Target, build_hf_model
-from dflash.speculative import DrafterSession, first_difference, greedy_generate, speculative_generate
+from dflash.runtime.doctor import PROBE_HYBRID
 
 QWEN3 = {"model_type": "qwen3", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
@@ -102,7 +107,7 @@ def test_first_difference():
 
 # --------------------------------------------------------------------------------------------- the trainer
 def test_trainer_eval_logs_real_acceptance_beside_simulated_tau(tiny_config, tmp_path):
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     tiny_config.optim.max_steps = 4
     tiny_config.eval.speculative_prompts = 3
@@ -123,7 +128,7 @@ def test_trainer_eval_logs_real_acceptance_beside_simulated_tau(tiny_config, tmp
 def test_eval_cli_reports_and_refuses_a_drafter_of_other_layers(tiny_config, tiny_dict, write_config, tmp_path,
                                                                  capsys):
     from dflash.cli import main
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     tiny_config.optim.max_steps = 2
     tiny_config.eval.speculative_prompts = 0
@@ -153,7 +158,7 @@ def test_eval_cli_decodes_what_the_run_evaluates_and_writes_no_cache_outside_the
     from dflash.cli import main
     from dflash.config import RunConfig, _build
     from dflash.regenerate import hf
-    from dflash.train import Trainer
+    from dflash.training.trainer import Trainer
 
     tiny_dict["output_dir"] = str(tmp_path / "run")
     tiny_dict["data"]["synthetic"]["num_samples"] = 64
@@ -191,7 +196,7 @@ def test_eval_cli_decodes_what_the_run_evaluates_and_writes_no_cache_outside_the
 
 def test_the_eval_limit_is_the_configs_else_the_regenerated_answers_else_128(tmp_path):
     from dflash.config import RunConfig, _build
-    from dflash.evaluate import eval_token_limit
+    from dflash.evaluation.evaluate import eval_token_limit
 
     def limit(**data):
         return eval_token_limit(_build(RunConfig, {"output_dir": str(tmp_path), "data": data,
@@ -214,7 +219,7 @@ def test_the_tie_tolerance_is_the_dtype_the_target_computes_in(pair):
     ties are judged with bfloat16's tolerance, not float32's (on an H200 a float32 SmolLM2 target's eval under
     autocast differed from its greedy reference on 5 of 12 prompts at near-ties, and float32's 1e-5 called them
     losses)."""
-    from dflash.evaluate import TIE_TOLERANCE, tie_tolerance_of
+    from dflash.evaluation.evaluate import TIE_TOLERANCE, tie_tolerance_of
 
     target, _ = pair
     assert tie_tolerance_of(target) == TIE_TOLERANCE[torch.float32]

@@ -1,4 +1,4 @@
-"""Hang evidence (dflash/stacks.py, module_utils/dflash_stacks.py): a real process dumps its stacks on SIGUSR1 and on
+"""Hang evidence (dflash/runtime/stacks.py, module_utils/dflash_stacks.py): a real process dumps its stacks on SIGUSR1 and on
 the watchdog's SIGABRT, the launcher passes the signal on, the reader names the stuck rank, and the resume line
 says how the previous start ended and how many steps are done again."""
 
@@ -33,7 +33,7 @@ BOUND_S = 120.0  # generous: a loaded machine may take long to start Python
 RANK = """
 import resource, sys, time
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGABRT: no core file
-from dflash import stacks
+from dflash.runtime import stacks
 stacks.install(sys.argv[1], int(sys.argv[2]))
 
 def stuck_in_collective():
@@ -46,7 +46,7 @@ stuck_in_collective()
 LAUNCHER = """
 import resource, subprocess, sys, time
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-from dflash import stacks
+from dflash.runtime import stacks
 stacks.ignore_for_children()
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], "0"])
 stacks.forward(lambda: [child.pid])
@@ -102,7 +102,7 @@ def test_a_rank_dumps_its_stacks_on_sigusr1_and_on_the_watchdogs_sigabrt(tmp_pat
     assert any("stuck_in_collective" in f for f in read_stacks(run)[0]["frames"])
     # the next start of the rank knows how the previous one ended (its resume line says so)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    again = subprocess.run([sys.executable, "-c", "import sys\nfrom dflash import stacks\nstacks.install(sys.argv[1], 0)\n"
+    again = subprocess.run([sys.executable, "-c", "import sys\nfrom dflash.runtime import stacks\nstacks.install(sys.argv[1], 0)\n"
                             "print(stacks.previous_dumped(), stacks.previous_fatal())", str(run)],
                            env=env, capture_output=True, text=True, timeout=BOUND_S)
     assert again.stdout.split() == ["True", "Aborted"], again.stderr
@@ -112,7 +112,7 @@ def test_a_rank_dumps_its_stacks_on_sigusr1_and_on_the_watchdogs_sigabrt(tmp_pat
 RANK_WITH_A_THREAD = """
 import resource, sys, threading, time
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-from dflash import stacks
+from dflash.runtime import stacks
 stacks.install(sys.argv[1], int(sys.argv[2]))
 
 def stuck_in_data_loader():
@@ -190,9 +190,9 @@ TP = "/venv/lib/python3.11/site-packages/"
 BOOT = [("/usr/lib/python3.11/threading.py", 982, "run"), ("/usr/lib/python3.11/threading.py", 1002, "_bootstrap")]
 COLLECTIVE = [(TP + "torch/distributed/distributed_c10d.py", 2501, "all_reduce"),
               (TP + "torch/distributed/c10d_logger.py", 81, "wrapper"),
-              (TP + "dflash/distributed/ranks.py", 120, "reduce_step"), (TP + "dflash/train.py", 520, "train_step")]
-DATA_READ = [(TP + "dflash/data/chat.py", 77, "read_batch"), (TP + "dflash/train.py", 498, "next"),
-             (TP + "dflash/train.py", 515, "train_step")]
+              (TP + "dflash/training/ranks.py", 120, "reduce_step"), (TP + "dflash/training/trainer.py", 520, "train_step")]
+DATA_READ = [(TP + "dflash/data/chat.py", 77, "read_batch"), (TP + "dflash/training/trainer.py", 498, "next"),
+             (TP + "dflash/training/trainer.py", 515, "train_step")]
 
 
 def _write_rank(run: Path, rank: int, main_frames, older_dump=None):
@@ -212,8 +212,8 @@ def test_the_reader_names_the_rank_that_is_not_where_the_others_wait(tmp_path):
     _write_rank(run, 3, DATA_READ)
     stacks = read_stacks(run)
     assert sorted(stacks) == [0, 1, 2, 3]
-    assert stacks[3]["frames"] == ["read_batch (dflash/data/chat.py:77)", "next (dflash/train.py:498)",
-                                   "train_step (dflash/train.py:515)"]
+    assert stacks[3]["frames"] == ["read_batch (dflash/data/chat.py:77)", "next (dflash/training/trainer.py:498)",
+                                   "train_step (dflash/training/trainer.py:515)"]
     assert stacks[0]["frames"][0] == "all_reduce (torch/distributed/distributed_c10d.py:2501)"
     assert stuck_ranks(stacks) == [3]  # the odd one out; the others wait for it in the collective
     lines = describe(stacks)
@@ -235,10 +235,10 @@ def test_the_reader_names_the_rank_that_is_not_where_the_others_wait(tmp_path):
 # SIGUSR1: rank 0 went on to its backward and waits there for DistributedDataParallel's gradient all-reduce.
 DDP_BACKWARD = [(TP + "torch/autograd/graph.py", 979, "_engine_run_backward"),
                 (TP + "torch/autograd/__init__.py", 395, "backward"), (TP + "torch/_tensor.py", 623, "backward"),
-                ("/opt/dflash/current/dflash/train.py", 529, "train_step")]
-HUNG_BEFORE_STEP = [("/opt/dflash/current/dflash/distributed/ranks.py", 65, "check_fault"),
-                    ("/opt/dflash/current/dflash/distributed/ranks.py", 126, "start_step"),
-                    ("/opt/dflash/current/dflash/train.py", 510, "train_step")]
+                ("/opt/dflash/current/dflash/training/trainer.py", 529, "train_step")]
+HUNG_BEFORE_STEP = [("/opt/dflash/current/dflash/training/ranks.py", 65, "check_fault"),
+                    ("/opt/dflash/current/dflash/training/ranks.py", 126, "start_step"),
+                    ("/opt/dflash/current/dflash/training/trainer.py", 510, "train_step")]
 
 
 def test_a_rank_waiting_in_ddps_backward_waits_for_its_peer(tmp_path):
@@ -249,7 +249,7 @@ def test_a_rank_waiting_in_ddps_backward_waits_for_its_peer(tmp_path):
     _write_rank(run, 1, HUNG_BEFORE_STEP)
     stacks = read_stacks(run)
     assert stuck_ranks(stacks) == [1]
-    assert stacks[1]["frames"] == ["check_fault (ranks.py:65)", "start_step (ranks.py:126)", "train_step (train.py:510)"]
+    assert stacks[1]["frames"] == ["check_fault (ranks.py:65)", "start_step (ranks.py:126)", "train_step (trainer.py:510)"]
     assert stacks[0]["frames"][0] == "_engine_run_backward (torch/autograd/graph.py:979)"
     # a rank in a torch.distributed collective beside one in the backward: neither is outside a wait
     _write_rank(run, 1, COLLECTIVE)
@@ -269,8 +269,8 @@ def test_the_reader_takes_the_last_dump_of_the_last_start(tmp_path):
 
 
 def test_the_resume_line_says_how_the_previous_start_ended_and_the_steps_redone(tiny_config, capsys, monkeypatch):
-    from dflash import stacks
-    from dflash.train import Trainer
+    from dflash.runtime import stacks
+    from dflash.training.trainer import Trainer
 
     Trainer(tiny_config).setup().run()  # 6 steps, checkpoints at 3 and 6
     run = Path(tiny_config.output_dir)

@@ -1,15 +1,15 @@
-"""The drafter step through the CUDA-graph path's static inputs (dflash/step_graph.py), run eagerly on the CPU:
+"""The drafter step through the CUDA-graph path's static inputs (dflash/training/step_graph.py), run eagerly on the CPU:
 padded label rows, copied inputs and the trainer's own clip and AdamW give the step the trainer takes without
 it. The capture itself needs a GPU (bench/step_graph_check.py runs it there)."""
 
 import pytest
 import torch
 
-from dflash import step_graph
+from dflash.components.loss import Blocks, weighted_block_loss
 from dflash.config import load_config
 from dflash.errors import ConfigError
-from dflash.loss import Blocks, weighted_block_loss
-from dflash.train import Trainer
+from dflash.training import step_graph
+from dflash.training.trainer import Trainer
 
 TINY = "configs/tiny-cpu.yaml"
 

@@ -13,10 +13,16 @@ import time
 import pytest
 import torch
 
+from dflash.components.loss import (
+    BlockStats,
+    build_blocks,
+    position_weights,
+    sample_anchors,
+    weighted_block_loss,
+)
+from dflash.components.metrics import InputTimer
 from dflash.config import ConfigError, check_flex_options, load_config
 from dflash.data.buckets import Batch
-from dflash.loss import BlockStats, build_blocks, position_weights, sample_anchors, weighted_block_loss
-from dflash.metrics import InputTimer
 from dflash.models.attention import TUNED_FLEX_OPTIONS, flex_options_for
 
 MASK = 49
@@ -145,7 +151,8 @@ def test_compiled_flex_is_one_callable_per_options_and_passes_them_to_flex_atten
 
 
 def test_the_trainer_hands_its_flex_options_to_flex_attention(tiny_config, monkeypatch, capsys):
-    import dflash.train as train_module
+    import dflash.training.drafter_setup as drafter_setup
+    import dflash.training.trainer as train_module
 
     seen = []
 
@@ -153,7 +160,7 @@ def test_the_trainer_hands_its_flex_options_to_flex_attention(tiny_config, monke
         seen.append((mode, options))
         return None
 
-    monkeypatch.setattr(train_module, "compiled_flex_attention", record)
+    monkeypatch.setattr(drafter_setup, "compiled_flex_attention", record)
     tiny_config.drafter.attention = "flex"
     tiny_config.compile.flex = True
     tiny_config.compile.flex_kernel_options = {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N2": 32}

@@ -1,11 +1,11 @@
-"""dflash/stop.py: the one owner of stop signals (start-up latch, trainer, target ranks, shutdown)."""
+"""dflash/runtime/stop.py: the one owner of stop signals (start-up latch, trainer, target ranks, shutdown)."""
 
 import os
 import signal
 
 import pytest
 
-from dflash import stop
+from dflash.runtime import stop
 
 pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")  # tests/conftest.py
 

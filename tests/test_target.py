@@ -49,7 +49,7 @@ def test_forward_stops_after_deepest_tapped_layer_and_skips_lm_head():
 
 
 def test_hybrid_target_reports_slow_path_without_kernels():
-    from dflash.doctor import PROBE_HYBRID
+    from dflash.runtime.doctor import PROBE_HYBRID
 
     model = build_hf_model(None, dict(PROBE_HYBRID), "float32")
     target = Target(model, [1, 3])
@@ -64,7 +64,7 @@ def test_hybrid_target_reports_slow_path_without_kernels():
 
 
 def _hybrid_spec():
-    from dflash.doctor import PROBE_HYBRID
+    from dflash.runtime.doctor import PROBE_HYBRID
 
     return {**PROBE_HYBRID, "num_hidden_layers": 6, "layer_types": ["linear_attention"] * 3 + ["full_attention"]
             + ["linear_attention", "full_attention"]}
@@ -75,7 +75,7 @@ def _hybrid_spec():
 def test_layer_split_stages_chain_to_the_unsplit_features(spec, vocab, stages):
     """Stages of a layer-split target, each holding only its layers, chained hidden state -> inputs_embeds,
     give the unsplit target's tapped features (padding included); later stages drop the embedding."""
-    from dflash.distributed.stages import TargetStage, stage_bounds
+    from dflash.runtime.stages import TargetStage, stage_bounds
 
     spec = dict(spec or _hybrid_spec())
     taps = [1, 2, 4]
@@ -103,8 +103,8 @@ def test_layer_split_stages_chain_to_the_unsplit_features(spec, vocab, stages):
 
 
 def test_stage_bounds_refuse_more_stages_than_layers():
-    from dflash.distributed.stages import stage_bounds
     from dflash.errors import BadInput
+    from dflash.runtime.stages import stage_bounds
 
     assert stage_bounds(4, 2) == [(0, 2), (2, 5)]
     assert stage_bounds(33, 3) == [(0, 11), (11, 22), (22, 34)]
@@ -116,7 +116,7 @@ def test_stage_bounds_refuse_more_stages_than_layers():
 def test_a_right_padded_batch_needs_no_attention_mask(hybrid):
     """The trainer's batches are right-padded; a causal target's states at the valid positions do not depend
     on later positions, so the trainer leaves the mask out (SDPA's causal fast path, not a masked kernel)."""
-    from dflash.doctor import PROBE_HYBRID
+    from dflash.runtime.doctor import PROBE_HYBRID
 
     spec = dict(PROBE_HYBRID) if hybrid else dict(QWEN3)
     model = build_hf_model(None, spec, "float32", seed=0)

@@ -1,4 +1,4 @@
-"""MLflow and Weights & Biases beside TensorBoard (dflash/trackers.py), with the real libraries offline: one tiny
+"""MLflow and Weights & Biases beside TensorBoard (dflash/runtime/trackers.py), with the real libraries offline: one tiny
 recipe run logs the same scalars to all three (MLflow's local file store, W&B's offline run file read back), the
 run config as parameters and the export as an artifact; a tracker that cannot be reached is one warning and the
 run trains on; a wrong tracker name is a config error."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash.config import ConfigError, load_config
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 
 def tensorboard_scalars(run: Path) -> dict[str, dict[int, float]]:
@@ -161,7 +161,7 @@ def test_an_unreachable_wandb_is_one_warning_after_its_init_timeout(tiny_config,
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning(caplog):
-    from dflash.trackers import RunTrackers, Tracker
+    from dflash.runtime.trackers import RunTrackers, Tracker
 
     class Broken(Tracker):
         name = "broken"

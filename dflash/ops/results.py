@@ -98,7 +98,7 @@ class ContainerStatus:
     watchdog_kills: int = 0
     last_exit_reason: str | None = None
     crash_loop: bool = False
-    failure_class: str | None = None  # the class of the last failed end (dflash/failures.py): cuda_oom, data_error, ...
+    failure_class: str | None = None  # the class of the last failed end (dflash/runtime/failures.py): cuda_oom, data_error, ...
     # Health and the trainer's heartbeat (dflash_health).
     healthy: bool | None = None
     health_state: str | None = None  # dflash_health's state, when it ran

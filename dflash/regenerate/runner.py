@@ -3,11 +3,11 @@
 * The whole input is read and checked first (exit 2 on bad input, nothing written).
 * Shard i = conversations [i*S, (i+1)*S). A finished shard is written atomically into OUTPUT.parts/; a rerun
   with the same input and parameters (OUTPUT.parts/fingerprint.json) skips it. A stop signal loses at most
-  the shard in flight (dflash/stop.py: `raising()` ends the generation at once, `shielded()` finishes a
+  the shard in flight (dflash/runtime/stop.py: `raising()` ends the generation at once, `shielded()` finishes a
   shard write first).
 * Under torchrun, rank r takes shards i % world_size == r (GPU LOCAL_RANK); rank 0 waits for every shard
   file, then merges them atomically into OUTPUT and writes OUTPUT.manifest.json. `--nproc N` starts those
-  ranks through the one torchrun launcher of every multi-rank command (dflash/torchrun.py).
+  ranks through the one torchrun launcher of every multi-rank command (dflash/runtime/torchrun.py).
 * Log lines (dflash/logs.py) go to stderr; stdout carries only the result line.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dflash import logs, stop, torchrun
+from dflash import logs
 from dflash.errors import BadInput
 from dflash.logs import EVERY_RANK
 from dflash.regenerate.core import (
@@ -35,6 +35,7 @@ from dflash.regenerate.core import (
 )
 from dflash.regenerate.files import FORMAT, Parts, digest, read_conversations, sha256_file, write_json
 from dflash.regenerate.progress import ProgressReporter
+from dflash.runtime import stop, torchrun
 
 log = logs.get_logger(__name__)
 WAIT_POLL_S = 1.0
@@ -167,7 +168,7 @@ def tokenizer_identity(tokenizer) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- main
 def run_regenerate(args: argparse.Namespace) -> int:
-    # first of all: a stop while this process starts up is remembered (dflash/stop.py) and taken over by the
+    # first of all: a stop while this process starts up is remembered (dflash/runtime/stop.py) and taken over by the
     # launcher or by the rank's `stop.raising()`
     stop.install()
     with logs.stream("stderr"):
@@ -338,7 +339,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def launch_ranks(args: argparse.Namespace) -> int:
-    """`--nproc N`: one process per GPU through the one torchrun launcher (dflash/torchrun.py); a stop signal
+    """`--nproc N`: one process per GPU through the one torchrun launcher (dflash/runtime/torchrun.py); a stop signal
     goes on to each rank, which loses at most its shard in flight."""
     if not args.server:
         import torch

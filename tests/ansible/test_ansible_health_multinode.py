@@ -1,5 +1,5 @@
 """Health of a multi-node job on real files: every rank joined, the node that did not join, the lost node, and a
-node other than 0 whose heartbeat is its node file (dflash/multinode.py writes it)."""
+node other than 0 whose heartbeat is its node file (dflash/runtime/multinode.py writes it)."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def test_a_healthy_job_shows_no_stacks(tmp_path, fake_host):
 
 RANK = """
 import sys, time
-from dflash import stacks
+from dflash.runtime import stacks
 stacks.install(sys.argv[1], 0)
 
 def stuck_in_collective():
@@ -152,8 +152,8 @@ def test_a_restart_request_asks_a_running_trainer_for_its_stacks_whatever_its_st
 # A trainer stand-in: its stack handler, one step (READY and the steady watchdog interval), then no more pings.
 HANGING = """
 import sys, time
-from dflash import stacks
-from dflash.notify import Notifier
+from dflash.runtime import stacks
+from dflash.runtime.notify import Notifier
 stacks.install(sys.argv[1], 0)
 Notifier().step(1)
 

@@ -19,8 +19,8 @@ from ansible.module_utils.dflash_health import check_health
 from conftest import ROOT, tool
 
 from dflash.config import RunConfig, _build, validate
-from dflash.distributed.topology import check_devices, plan_ranks
 from dflash.errors import BadInput
+from dflash.runtime.topology import check_devices, plan_ranks
 
 CASES = {
     # name: (target, drafter) -> (CUDA_VISIBLE_DEVICES, topology)

@@ -20,9 +20,9 @@ from ansible.module_utils.dflash_unit_spec import UnitError
 from conftest import ROOT
 from conftest import wait_for as conftest_wait_for
 
-# A trainer stand-in that speaks dflash.notify: start-up allowance, READY, a ping per step.
+# A trainer stand-in that speaks dflash.runtime.notify: start-up allowance, READY, a ping per step.
 PINGING = [sys.executable, "-u", "-c", (
-    "import time\nfrom dflash.notify import Notifier\nn = Notifier()\nn.loading()\ntime.sleep(0.3)\n"
+    "import time\nfrom dflash.runtime.notify import Notifier\nn = Notifier()\nn.loading()\ntime.sleep(0.3)\n"
     "for step in range(1, 100000):\n    time.sleep(0.1)\n    n.step(step)\n    print('step', step, flush=True)\n"
 )]  # fmt: skip
 LOOP = [sys.executable, "-u", "-c", "import time\nwhile True:\n    time.sleep(0.1)"]

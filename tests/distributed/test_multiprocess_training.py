@@ -23,10 +23,10 @@ import pytest
 import torch
 import yaml
 
-from dflash.checkpoint import CheckpointManager
+from dflash.components.checkpoint import CheckpointManager
 from dflash.config import RunConfig, _build, validate
 from dflash.models.drafter import Drafter
-from dflash.train import Trainer
+from dflash.training.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -200,7 +200,7 @@ def test_a_hanging_rank_is_timed_out_not_waited_for(tmp_path):
     out = tmp_path / "run"
     topology = {**COLOCATED, "timeout_s": 30}
     rc, log, elapsed = finish(spawn(write(tiny(out, topology), tmp_path / "run.yaml"), fault="1:4:hang"), 900)
-    assert rc == 5, log[-4000:]  # collective_timeout (dflash/failures.py): rank 0 failed first
+    assert rc == 5, log[-4000:]  # collective_timeout (dflash/runtime/failures.py): rank 0 failed first
     assert "rank 0 failed first, collective_timeout" in log
     assert "rank 1: hanging after 4 steps" in log
     assert "Timed out waiting 30000ms" in log.split("Root Cause (first observed failure):", 1)[1]

@@ -1,4 +1,4 @@
-"""The trainer's liveness for systemd's watchdog (dflash/notify.py): the sd_notify datagrams a single process
+"""The trainer's liveness for systemd's watchdog (dflash/runtime/notify.py): the sd_notify datagrams a single process
 sends, and under torchrun the launcher's aggregate, which stops when one rank hangs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.notify import Notifier, RankLiveness, parse
+from dflash.runtime.notify import Notifier, RankLiveness, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 

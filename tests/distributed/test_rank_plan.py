@@ -9,11 +9,11 @@ import torch
 from dflash.cli import main
 from dflash.config import TopologyConfig, _build, validate
 from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler
-from dflash.distributed import topology
-from dflash.distributed.topology import check_devices, plan_ranks
-from dflash.distributed.transfer import ItemSchedule, Slot, TransferLayout
 from dflash.errors import BadInput, ConfigError
 from dflash.launch import apply_rendezvous_env, torchrun_command
+from dflash.runtime import topology
+from dflash.runtime.topology import check_devices, plan_ranks
+from dflash.runtime.transfer import ItemSchedule, Slot, TransferLayout
 
 
 def test_colocated_plan_every_rank_is_a_drafter_rank():
@@ -175,7 +175,7 @@ def test_torchrun_command_single_node_and_rendezvous(tiny_dict, monkeypatch):
 
 
 def test_external_torchrun_with_wrong_process_count_is_bad_input(tiny_dict, monkeypatch):
-    from dflash.distributed import run_rank
+    from dflash.training.worker import run_rank
 
     cfg = _config(tiny_dict, mode="colocated", nproc=2)
     monkeypatch.setenv("RANK", "0")

@@ -1,4 +1,4 @@
-"""The ranks' setups end together before their first collective (dflash/distributed/setup_barrier.py).
+"""The ranks' setups end together before their first collective (dflash/runtime/setup_barrier.py).
 
 In-process: "ranks" are threads, each with its own client of one real TCPStore, with short beats and timeouts.
 End to end: a real 2-rank job whose rank 0 sets up longer than topology.timeout_s trains; before the barrier,
@@ -12,9 +12,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from dflash import failures
-from dflash.distributed import is_peer_failure, setup_barrier
-from dflash.distributed.setup_barrier import SetupBarrier, SetupPeerLost
+from dflash.runtime import failures, setup_barrier
+from dflash.runtime.setup_barrier import SetupBarrier, SetupPeerLost
+from dflash.training.worker import is_peer_failure
 
 FAST = {"beat_s": 0.05, "poll_s": 0.02, "report_s": 0.3}
 

@@ -62,7 +62,7 @@ def test_a_release_leaves_dflash_ops_out(tmp_path):
                     *[f"--exclude={pattern}" for pattern in exclude], *items], check=True)
     with tarfile.open(archive) as tar:
         names = tar.getnames()
-    assert "dflash/train.py" in names and "dflash/cli.py" in names
+    assert "dflash/training/trainer.py" in names and "dflash/cli.py" in names
     assert not [n for n in names if n == "dflash/ops" or n.startswith("dflash/ops/")]
 
 
@@ -140,7 +140,7 @@ def test_a_deploy_from_the_wheel_packs_the_installed_trainer(installed):
     out = subprocess.run([str(installed["python"]), "-c", probe, str(into)], cwd=installed["tmp"], env=env,
                          capture_output=True, text=True, check=True).stdout.strip()
     assert Path(out) == into
-    for item in ("dflash/train.py", "dflash/cli.py", "configs/tiny-cpu.yaml", "pyproject.toml"):
+    for item in ("dflash/training/trainer.py", "dflash/cli.py", "configs/tiny-cpu.yaml", "pyproject.toml"):
         assert (into / item).is_file(), item
     assert not (into / "dflash" / "ops").exists()
-    assert (into / "dflash" / "train.py").read_text() == (PACKAGE / "train.py").read_text()
+    assert (into / "dflash" / "training" / "trainer.py").read_text() == (PACKAGE / "training" / "trainer.py").read_text()

@@ -6,7 +6,7 @@ through the `datasets` library where the hub can be reached. Each row becomes th
 authors' benchmark sends (SUITES: each template names its source; docs/evaluation.md), rendered with the
 tokenizer's chat template (thinking on, off, or the template's default); a multi-turn row (MT-Bench) sends each
 next turn after the target's own greedy answer to the one before. Every prompt is decoded through the same path
-as `dflash eval` and the trainer's evals (`dflash.evaluate.Evaluator.speculative`: greedy, target alone and with
+as `dflash eval` and the trainer's evals (`dflash.evaluation.evaluate.Evaluator.speculative`: greedy, target alone and with
 the drafter, losslessness) and, as the baseline, with transformers' prompt-lookup decoding. The result per
 suite: prompts, mean acceptance length, the acceptance of each draft position, lossless prompts, tokens/s, the
 prompt-lookup acceptance length and where the rows came from; printed as a table and written as JSON.
@@ -23,7 +23,7 @@ from typing import Any
 
 from dflash.data.benchmarks import PACKAGED_SUITES, packaged_provenance, packaged_rows
 from dflash.errors import BadInput, DataError
-from dflash.evaluate import (
+from dflash.evaluation.evaluate import (
     THINKING_FLAGS,
     EvalReport,
     Evaluator,
@@ -34,9 +34,9 @@ from dflash.evaluate import (
     load_eval_models,
     render_prompt_ids,
 )
-from dflash.observability import RunObserver
-from dflash.speculative import PROMPT_LOOKUP_NGRAM
-from dflash.trackers import checkpoint_step, open_trackers, suite_scalars
+from dflash.evaluation.speculative import PROMPT_LOOKUP_NGRAM
+from dflash.runtime.observability import RunObserver
+from dflash.runtime.trackers import checkpoint_step, open_trackers, suite_scalars
 
 DEFAULT_LIMIT = 80  # rows per suite
 TABLE_POSITIONS = 4  # draft positions shown in the printed table (the JSON has all B-1)

@@ -3,12 +3,12 @@
 * `under_torchrun()` / `rank_env()`: whether this process is a torchrun worker (ours or an external one), its
   rank and world size;
 * `command(nproc_per_node, args, rendezvous)`: `python -m torch.distributed.run ... -m dflash ARGS`;
-* `run(cmd, grace_s)`: starts torchrun and waits for it. A stop signal (dflash/stop.py) is passed straight to
+* `run(cmd, grace_s)`: starts torchrun and waits for it. A stop signal (dflash/runtime/stop.py) is passed straight to
   the workers, each once its own handler is installed (before that the signal would kill it), so they stop
   the way their command stops (train: together at a step boundary with a checkpoint; regenerate: after the
   shard being written). Workers still running `grace_s` later: torchrun is terminated (it SIGKILLs its
   workers after WORKER_SHUTDOWN_S); some time after that every worker and torchrun are killed. SIGUSR1 goes
-  on to the workers that dump their stacks (dflash/stacks.py).
+  on to the workers that dump their stacks (dflash/runtime/stacks.py).
 
 What the command does around the launch (checks before it, the meaning of torchrun's exit) stays with the
 command: dflash/launch.py for `train`, dflash/regenerate/runner.py for `regenerate`.
@@ -103,7 +103,7 @@ def run(cmd: list[str], grace_s: float, *, what: str = "the ranks", stop_note: s
     stop and how long they may take (`grace_s`), logged once with the signal.
     `poll(workers)`: called every POLL_S with the number of running workers; `stopping()`: every POLL_S once a
     stop was requested."""
-    from dflash import stacks, stop
+    from dflash.runtime import stacks, stop
 
     stopped: dict = {}  # signum, at, signalled (worker pids already told)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.loss import BlockStats
+from dflash.components.loss import BlockStats
 
 
 @dataclass

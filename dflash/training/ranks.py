@@ -2,11 +2,11 @@
 
 A drafter rank is the one `Trainer` given a `DataParallel` step reducer and an input source: `LocalTarget`
 (colocated) or `RemoteTargets` (disaggregated). A target rank runs `run_target_rank`, the one target-rank
-loop: an unsplit target is stage 0 of 1 (stages.py).
+loop: an unsplit target is stage 0 of 1 (dflash/runtime/stages.py).
 
-Stopping (dflash/stop.py): a signal only marks the rank; the ranks agree to stop in the per-step all-reduce of
+Stopping (dflash/runtime/stop.py): a signal only marks the rank; the ranks agree to stop in the per-step all-reduce of
 the drafter group, so all of them leave the loop after the same step and the reporter checkpoints it. Target
-ranks absorb signals and stop when the drafter ranks send STOP (transfer.py).
+ranks absorb signals and stop when the drafter ranks send STOP (dflash/runtime/transfer.py).
 """
 
 from __future__ import annotations
@@ -21,22 +21,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash import stop
 from dflash.compile import compile_target_layers, configure_for_run
+from dflash.components.float8 import check_float8, target_float8
+from dflash.components.metrics import MetricsWindow
 from dflash.config import RunConfig
 from dflash.data.buckets import Batch
-from dflash.distributed import setup_barrier
-from dflash.distributed.stages import TargetStage, stage_bounds
-from dflash.distributed.topology import RankPlan
-from dflash.distributed.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
 from dflash.errors import BadInput
-from dflash.float8 import check_float8, target_float8
 from dflash.inputs import build_run_inputs, check_token_range, layer_ids_of
 from dflash.logs import EVERY_RANK, get_logger
-from dflash.metrics import MetricsWindow
 from dflash.models.drafter import Drafter
 from dflash.models.target import DTYPES, build_hf_model, require_fast_path
-from dflash.train import LocalTarget, Trainer, run_to_end
+from dflash.runtime import setup_barrier, stop
+from dflash.runtime.stages import TargetStage, stage_bounds
+from dflash.runtime.topology import RankPlan
+from dflash.runtime.transfer import FeatureConsumer, FeatureProducer, ItemSchedule, TransferLayout
+from dflash.training.run import run_to_end
+from dflash.training.sources import LocalTarget
+from dflash.training.trainer import Trainer
 
 FAULT_ENV = "DFLASH_FAULT_INJECT"
 SETUP_FAULT_ENV = "DFLASH_SETUP_FAULT_INJECT"

@@ -162,7 +162,7 @@ class NodePresence:
             self.write()
 
     def write(self) -> None:
-        from dflash.observability import atomic_write_json
+        from dflash.runtime.observability import atomic_write_json
 
         with self.lock:
             data = {**self.state, "time": time.time(), "nodes": {str(r): n for r, n in sorted(self.names.items())}}

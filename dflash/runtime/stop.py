@@ -8,7 +8,7 @@ A stop signal never kills a dflash process mid-work; what it does depends on the
   says so once; the trainer stops at the next step boundary (data-parallel ranks agree on it in their
   per-step all-reduce), the launcher passes it on to its ranks;
 * a target rank (`hold()`): the signal is absorbed; the drafter ranks decide when to stop and tell it
-  (STOP credits, distributed/transfer.py);
+  (STOP credits, runtime/transfer.py);
 * work that a stop may cut short (an eval) calls `check()` between its pieces: it raises `Interrupted` once a
   stop is requested, and the caller skips the rest (a checkpoint never waits for an eval);
 * work that a stop ends at once (`raising()`: a regenerate rank, whose shard in flight is simply redone by the

@@ -1,7 +1,7 @@
 """The trainer's checkpoint policy, called the way torchtitan's loop calls its checkpointer: which checkpoint a
 start resumes from and which of its settings may change (the resume contract, docs/checkpoints.md), `load`,
 `save` (finite weights only, by the reporter), the final save, and the best pointer. The files themselves are
-dflash/checkpoint.py's (`CheckpointManager`: step directories, manifest, verify, recover, prune)."""
+dflash/components/checkpoint.py's (`CheckpointManager`: step directories, manifest, verify, recover, prune)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from dflash.checkpoint import CheckpointManager, RNGState, check_contract, read_contract
+from dflash.components.checkpoint import CheckpointManager, RNGState, check_contract, read_contract
 from dflash.config import RESUME_CONTRACT_KEYS, RESUME_SHAPE_KEYS, RunConfig, default_gamma
 from dflash.errors import BadInput, Diverged
 from dflash.logs import get_logger
-from dflash.stacks import resume_note
+from dflash.runtime.stacks import resume_note
 
 log = get_logger(__name__)
 
@@ -64,7 +64,7 @@ class Checkpointer:
         d = self.config.drafter
         if not d.init_from:
             return d.layer_types, d.sliding_window
-        from dflash.export import check_init_layout, init_arch, layout_text
+        from dflash.components.export import check_init_layout, init_arch, layout_text
 
         src, arch = init_arch(d.init_from)
         check_init_layout(src, arch, d.layer_types, d.sliding_window)
@@ -114,7 +114,7 @@ class Checkpointer:
         """The layout checkpoint `path`'s drafter config.json says it trained with, where its contract.json says
         otherwise (written by an earlier dflash, which recorded the config's layout over drafter.init_from's):
         the weights' own record wins, with a warning. None where they agree (or either is unreadable)."""
-        from dflash.export import same_layout
+        from dflash.components.export import same_layout
         from dflash.models.drafter import layout_of_hf_config
 
         saved = read_contract(path)
@@ -143,7 +143,7 @@ class Checkpointer:
 
     def load(self, path: Path | None, previous_end: dict[str, Any] | None = None) -> bool:
         """Restore drafter, optimizer, scheduler, data position, RNG and step from `path` (chosen by `plan`); the
-        resume line says how the previous start ended (`previous_end`, dflash/stacks.py) and the steps redone."""
+        resume line says how the previous start ended (`previous_end`, dflash/runtime/stacks.py) and the steps redone."""
         if path is None:
             return False
         self.store.load_state(path, accepted=list(self.accepted_changes))
@@ -169,7 +169,7 @@ class Checkpointer:
         lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
         for g, lr in zip(groups, lrs, strict=True):
             g.update(lr=lr, initial_lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                     capturable=False)  # a CUDA graph's (dflash/step_graph.py) is set again when it captures
+                     capturable=False)  # a CUDA graph's (dflash/training/step_graph.py) is set again when it captures
         scheduler._last_lr = lrs
         if changed:
             self.observer.event(f"resume: optim {', '.join(changed)} (config differs from the checkpoint); "

@@ -12,7 +12,7 @@ from typing import Any
 from dflash.errors import DiskFull
 from dflash.fileio import NO_SPACE, append_line, temp_sibling
 from dflash.logs import get_logger
-from dflash.trackers import RunTrackers
+from dflash.runtime.trackers import RunTrackers
 
 log = get_logger(__name__)
 
@@ -51,7 +51,7 @@ class RunObserver:
                  trackers: RunTrackers | None = None):
         self.dir = Path(output_dir)
         self.enabled = enabled
-        # MLflow, W&B (dflash/trackers.py): the scalars TensorBoard gets, under the same tags
+        # MLflow, W&B (dflash/runtime/trackers.py): the scalars TensorBoard gets, under the same tags
         self.trackers = trackers if trackers is not None and enabled else RunTrackers()
         self.heartbeat_path = self.dir / "heartbeat.json"
         self.metrics_path = self.dir / "metrics.jsonl"

@@ -1,9 +1,7 @@
-"""One process per GPU under torchrun: colocated and disaggregated target/drafter ranks (docs/topology.md).
-
-* `topology` — roles, GPUs, process groups, device checks;
-* `transfer` — target -> drafter hidden-state transfers (fixed buffers, credits);
-* `ranks` — what each worker runs;
-* `run_rank` — the worker entry point (`dflash train` under torchrun ends up here).
+"""The torchrun worker's entry point: one process per GPU, a colocated or disaggregated target/drafter rank
+(docs/topology.md). `run_rank` is where `dflash train` under torchrun ends up; what each rank then runs is
+`dflash.training.ranks`; roles, GPUs and process groups are `dflash.runtime.topology`'s, the hidden-state
+transfers `dflash.runtime.transfer`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +13,9 @@ from datetime import timedelta
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dflash.config import RunConfig
-from dflash.distributed.topology import (
+from dflash.errors import BadInput
+from dflash.logs import get_logger, set_reporter
+from dflash.runtime.topology import (
     RankPlan,
     backend_for,
     check_devices,
@@ -23,8 +23,6 @@ from dflash.distributed.topology import (
     plan_ranks,
     uses_cuda,
 )
-from dflash.errors import BadInput
-from dflash.logs import get_logger, set_reporter
 
 log = get_logger(__name__)
 
@@ -38,7 +36,7 @@ class PeerFailure(RuntimeError):
 def is_peer_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
 
-    from dflash.distributed.setup_barrier import SetupPeerLost
+    from dflash.runtime.setup_barrier import SetupPeerLost
 
     text = str(exc)
     return isinstance(exc, dist.DistError | SetupPeerLost) or any(
@@ -67,9 +65,8 @@ def _run_rank(config: RunConfig) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from dflash import stop
-    from dflash.distributed import setup_barrier
-    from dflash.distributed.ranks import check_setup_fault, run_colocated, run_disaggregated
+    from dflash.runtime import setup_barrier, stop
+    from dflash.training.ranks import check_setup_fault, run_colocated, run_disaggregated
 
     plan = plan_ranks(config.topology)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -90,7 +87,7 @@ def _run_rank(config: RunConfig) -> dict | None:
     backend = backend_for(config)
     timeout = timedelta(seconds=config.topology.timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    setup_barrier.begin(config.topology.timeout_s)  # setups of any length end together (setup_barrier.py)
+    setup_barrier.begin(config.topology.timeout_s)  # setups of any length end together (dflash/runtime/setup_barrier.py)
     check_setup_fault(rank)
     log.info(f"distributed: {config.topology.mode}, {plan.world_size} ranks ({backend}), "
              f"{len(plan.drafter_ranks)} drafter rank(s)"

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from dflash.components.loss import Blocks, BlockStats
 from dflash.logs import get_logger
-from dflash.loss import Blocks, BlockStats
 
 log = get_logger(__name__)
 
@@ -104,7 +104,7 @@ class StepGraphs:
     """The trainer's drafter step, one CUDA graph per input shape (module docstring)."""
 
     def __init__(self, trainer: Any, max_shapes: int = 2, capture: bool = True):
-        self.trainer = trainer  # a dflash.train.Trainer (not imported: it imports this module)
+        self.trainer = trainer  # a dflash.training.trainer.Trainer (not imported: it imports this module)
         self.max_shapes = max_shapes
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}

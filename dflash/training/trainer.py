@@ -3,59 +3,56 @@
 Read top to bottom: `Trainer.setup()` builds every component, `Trainer.run()` loops over `train_step()`.
 One `Trainer` serves every topology; what differs is given to it (docs/architecture.md):
 
-* an input source, where a micro-batch and its target features come from: `LocalTarget` (the target in
-  this process) or `dflash.distributed.ranks.RemoteTargets` (sent by target ranks);
-* a step reducer, how the ranks' steps meet: `SingleProcess` or `dflash.distributed.ranks.DataParallel`.
+* an input source, where a micro-batch and its target features come from (`dflash.training.sources`):
+  `LocalTarget` (the target in this process) or `dflash.training.ranks.RemoteTargets` (sent by target ranks);
+* a step reducer, how the ranks' steps meet (`dflash.training.reducers`): `SingleProcess` or
+  `dflash.training.ranks.DataParallel`.
 
-The evals are `dflash.evaluate.Evaluator`'s: the trainer builds one at setup and calls it at every
-`logging.eval_interval` and at the end; what it keeps of an eval is the best checkpoint (`Checkpointer.keep_if_best`). Which checkpoint a start resumes
-from, the resume contract, the saves and the best pointer are dflash/checkpointer.py's.
+The drafter, its attention and its block pass are built by `dflash.training.drafter_setup`. The evals are
+`dflash.evaluation.evaluate.Evaluator`'s: the trainer builds one at setup and calls it at every
+`logging.eval_interval` and at the end; what it keeps of an eval is the best checkpoint
+(`Checkpointer.keep_if_best`). Which checkpoint a start resumes from, the resume contract, the saves and the best
+pointer are dflash/training/checkpointer.py's. `dflash.training.run` runs a trainer to its end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from dflash import failures, step_graph, stop
-from dflash.checkpoint import CheckpointManager, ensure_writable
-from dflash.checkpointer import Checkpointer
-from dflash.compile import compile_drafter, compile_target_layers, configure_for_run, flash_version
-from dflash.config import RunConfig, check_dflash2, default_gamma
+from dflash.compile import compile_target_layers, configure_for_run
+from dflash.components.checkpoint import CheckpointManager, ensure_writable
+from dflash.components.float8 import check_float8, target_float8
+from dflash.components.flops import drafter_step_flops, peak_flops
+from dflash.components.loss import Blocks, BlockStats, autocast_for, position_weights, step_generator
+from dflash.components.metrics import InputTimer, MetricsWindow, StepResult
+from dflash.config import RunConfig
 from dflash.data.buckets import Batch
 from dflash.data.chat import TokenizedSet
 from dflash.devices import pick_device
 from dflash.errors import BadInput
-from dflash.evaluate import Evaluator, TargetFeatures
-from dflash.float8 import check_float8, check_float8_head, convert_linears, float8_linears, target_float8
-from dflash.flops import drafter_step_flops, peak_flops
+from dflash.evaluation.evaluate import Evaluator
 from dflash.inputs import RunInputs, build_run_inputs, layer_ids_of
 from dflash.logs import get_logger
-from dflash.loss import BlockPass, Blocks, BlockStats, autocast_for, position_weights, step_generator
-from dflash.metrics import InputTimer, MetricsWindow, StepResult
-from dflash.models.attention import (
-    FLASH_OPTIONS,
-    compiled_flex_attention,
-    flex_options_for,
-    probe_flash,
-    resolve_flex_backend,
-    resolve_kind,
-)
-from dflash.models.drafter import Drafter, arch_from_target
-from dflash.models.target import Target, build_hf_model, require_fast_path
-from dflash.notify import Notifier
-from dflash.observability import RunObserver
-from dflash.stacks import previous_end
-from dflash.trackers import open_trackers
+from dflash.models.target import Target
+from dflash.runtime import failures
+from dflash.runtime.notify import Notifier
+from dflash.runtime.observability import RunObserver
+from dflash.runtime.stacks import previous_end
+from dflash.runtime.trackers import open_trackers
+from dflash.training import step_graph
+from dflash.training.checkpointer import Checkpointer
+from dflash.training.drafter_setup import build_drafter
+from dflash.training.reducers import SingleProcess, StepReducer
+from dflash.training.sources import InputSource, LocalTarget
+from dflash.training.tracker_export import export_to_trackers
 
 log = get_logger(__name__)
-
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
@@ -70,128 +67,6 @@ def cosine_schedule(total_steps: int, warmup_ratio: float, min_ratio: float):
     return factor
 
 
-# ---------------------------------------------------------------------------------------- input sources
-class InputSource(Protocol):
-    """Where the trainer's micro-batches and their target features come from. Its `target`, `features`,
-    `embed_tokens` and `lm_head_weight` are also what the evaluator reads (`dflash.evaluate.FeatureSource`)."""
-
-    target: Target | None  # the target in this process (evaluation needs it), or None
-
-    def open(self, config: RunConfig, layer_ids: list[int], device: torch.device) -> Target | None:
-        """At setup, before the data is built (regeneration needs the target): load what this process holds."""
-
-    def connect(self, trainer: Trainer) -> None:
-        """After the drafter is built and resumed: the data position and the schedule are known."""
-
-    def next(self) -> tuple[int, Batch, torch.Tensor]:
-        """(epoch, batch on the device, target features) of this rank's next micro-batch."""
-
-    def features(self, batch: Batch) -> torch.Tensor: ...
-
-    def embed_tokens(self) -> torch.nn.Embedding: ...
-
-    def lm_head_weight(self) -> torch.Tensor: ...
-
-    def finish(self) -> None:
-        """After the last step."""
-
-
-class LocalTarget(TargetFeatures):
-    """The target in this process (single process, colocated ranks): features of the rank's own batches (its
-    features, embedding and LM head as an evaluation reads them: `TargetFeatures`)."""
-
-    def __init__(self) -> None:
-        super().__init__(None)  # loaded by `open`
-
-    def open(self, config: RunConfig, layer_ids: list[int], device: torch.device) -> Target:
-        c = config
-        model = build_hf_model(c.target.path, c.target.random_init, c.target.dtype, c.target.attn_implementation,
-                               seed=c.seed, device=device)
-        target = Target(model.to(device), layer_ids)
-        report = target.fast_path_report()
-        log.info(f"target: {target.num_layers} layers, hidden {target.hidden_size}, tapped {layer_ids}; "
-                 f"{report.describe()}")
-        require_fast_path(report, device, c.target.allow_slow_path)
-        self.target = target
-        return target
-
-    def connect(self, trainer: Trainer) -> None:
-        self.inputs, self.sampler, self.device = trainer.inputs, trainer.sampler, trainer.device
-        c = trainer.config
-        self.cache = None
-        if c.data.feature_cache:
-            from dflash.data.feature_cache import FeatureCache
-
-            t = c.target
-            identity = {"target": t.path, "random_init": t.random_init, "seed": c.seed, "dtype": t.dtype,
-                        "float8": t.float8, "layer_ids": self.inputs.layer_ids}
-            self.cache = FeatureCache(Path(c.output_dir) / "feature-cache", identity, c.data.feature_cache_dtype,
-                                      next(self.target.model.parameters()).dtype)
-
-    def features(self, batch: Batch) -> torch.Tensor:
-        cache = getattr(self, "cache", None)
-        if cache is None:
-            return super().features(batch)
-        return cache.features(batch, super().features)
-
-    def next(self) -> tuple[int, Batch, torch.Tensor]:
-        epoch, blen, idx = self.sampler.next()
-        batch = self.inputs.batch(blen, idx).to(self.device)
-        return epoch, batch, self.features(batch)
-
-    def finish(self) -> None:
-        if getattr(self, "cache", None) is not None:
-            log.info(self.cache.describe())
-
-
-# ----------------------------------------------------------------------------------------- step reducers
-class StepReducer(Protocol):
-    """How one optimizer step of this rank meets those of the other data-parallel drafter ranks."""
-
-    rank: int  # among the data-parallel drafter ranks
-    world_size: int
-    is_reporter: bool  # logs, writes the heartbeat and checkpoints
-
-    def wrap(self, drafter: Drafter, step: int) -> torch.nn.Module:
-        """After resume: the module the training step calls (the drafter, or its DDP wrapper)."""
-
-    def start_step(self, step: int) -> None: ...
-
-    def grad_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager: ...
-
-    def reduce_step(self, loss_sum: torch.Tensor, weight_sum: float) -> tuple[torch.Tensor, float]:
-        """This rank's weighted loss (a 0-d tensor, left on its device) and loss weight, summed over the ranks;
-        also where the ranks agree to stop."""
-
-    def reduce_window(self, window: MetricsWindow) -> MetricsWindow: ...
-
-    def stop_agreed(self) -> bool: ...
-
-
-class SingleProcess:
-    """One process trains alone: nothing to reduce; a stop signal is seen directly."""
-
-    rank, world_size, is_reporter = 0, 1, True
-
-    def wrap(self, drafter: Drafter, step: int) -> torch.nn.Module:
-        return drafter
-
-    def start_step(self, step: int) -> None:
-        pass
-
-    def grad_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def reduce_step(self, loss_sum: torch.Tensor, weight_sum: float) -> tuple[torch.Tensor, float]:
-        return loss_sum, weight_sum  # nothing to sum, and no sync
-
-    def reduce_window(self, window: MetricsWindow) -> MetricsWindow:
-        return window
-
-    def stop_agreed(self) -> bool:
-        return stop.requested()
-
-
 # ----------------------------------------------------------------------------------------------- trainer
 class Trainer:
     def __init__(self, config: RunConfig, source: InputSource | None = None, reducer: StepReducer | None = None,
@@ -201,10 +76,10 @@ class Trainer:
         self.reducer = reducer if reducer is not None else SingleProcess()
         self.rank, self.world_size = self.reducer.rank, self.reducer.world_size
         self.is_reporter = self.reducer.is_reporter
-        self._device = device  # set by dflash.distributed (the rank's GPU); else runtime.device
+        self._device = device  # set by dflash.training.ranks (the rank's GPU); else runtime.device
         self.step = 0
         self.input_seconds = 0.0  # time spent obtaining inputs since the last report window
-        self.previous_end: dict[str, Any] | None = None  # how the previous start ended (dflash/stacks.py)
+        self.previous_end: dict[str, Any] | None = None  # how the previous start ended (dflash/runtime/stacks.py)
         self.step_graphs: step_graph.StepGraphs | None = None  # the drafter step's CUDA graphs, where it captures
 
     # the run's inputs and the target, as the rest of the loop reads them
@@ -294,98 +169,10 @@ class Trainer:
         self.step_graphs = step_graph.for_trainer(self) if with_target else None
         return self
 
-    def _mask_token_id(self, vocab_size: int) -> int:
-        c = self.config.drafter
-        mid = c.mask_token_id
-        if mid is None:
-            mid = getattr(self.tokenizer, "mask_token_id", None)
-        if mid is None:
-            mid = self.tokenizer.pad_token_id
-        if mid is None or not 0 <= mid < vocab_size:
-            raise BadInput(f"drafter.mask_token_id {mid} is not a token of the target's vocabulary (0..{vocab_size - 1}); "
-                           "set drafter.mask_token_id to a reserved token id")
-        return int(mid)
-
     def _build_drafter(self) -> None:
-        c = self.config
-        from dflash.models.target import target_config, text_config_of
-
-        tcfg = target_config(c.target.path, c.target.random_init)
-        text_cfg = text_config_of(tcfg)
-        vocab = self.target.vocab_size if self.target is not None else text_cfg.vocab_size
-        if c.drafter.init_from:  # must agree with this config: what it trains is the config's drafter
-            from dflash.export import load_init_drafter
-
-            mask_key = "drafter.mask_token_id" if c.drafter.mask_token_id is not None else (
-                "drafter.mask_token_id (unset: the tokenizer's mask or pad token)")
-            expected = {"block_size": ("drafter.block_size", c.drafter.block_size),
-                        "num_hidden_layers": ("drafter.num_layers", c.drafter.num_layers),
-                        "target_layer_ids": ("target.layer_ids (resolved)", list(self.layer_ids)),
-                        "mask_token_id": (mask_key, self._mask_token_id(vocab)),
-                        "hidden_size": ("the target's hidden_size", int(text_cfg.hidden_size))}
-            for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):  # when set
-                if getattr(c.drafter, key) is not None:
-                    expected[key] = (f"drafter.{key}", getattr(c.drafter, key))
-            for key, value in (check_dflash2(c.drafter.dflash2, "drafter.dflash2") or {}).items():
-                expected[key] = (f"drafter.dflash2.{key}", value)  # where set, the init must be that DFlash2
-            self.drafter = load_init_drafter(c.drafter.init_from, expected)
-        else:
-            arch = arch_from_target(tcfg, num_layers=c.drafter.num_layers, block_size=c.drafter.block_size,
-                                    layer_ids=self.layer_ids, mask_token_id=self._mask_token_id(vocab),
-                                    vocab_size=vocab, intermediate_size=c.drafter.intermediate_size,
-                                    num_attention_heads=c.drafter.num_attention_heads,
-                                    num_key_value_heads=c.drafter.num_key_value_heads,
-                                    layer_types=c.drafter.layer_types, sliding_window=c.drafter.sliding_window,
-                                    dflash2=check_dflash2(c.drafter.dflash2, "drafter.dflash2"))
-            gen_state = torch.random.get_rng_state()
-            torch.manual_seed(c.seed + 17)
-            self.drafter = Drafter(arch)
-            torch.random.set_rng_state(gen_state)
-        self.drafter.to(self.device)
-        if c.drafter.float8_head:
-            check_float8_head(self.drafter.arch.vocab_size, self.drafter.arch.hidden_size)
-        if c.drafter.float8:  # before compilation: the compiled forward fuses the float8 casts
-            kept = convert_linears(self.drafter)
-            log.info(f"drafter: {len(float8_linears(self.drafter))} linear layers in float8 (torchao, tensorwise)"
-                     + ("; the loss's LM head in float8 (rowwise)" if c.drafter.float8_head else "")
-                     + (f"; kept in their precision (dimensions not divisible by 16): {', '.join(kept)}"
-                        if kept else ""))
-        self.gamma = c.drafter.gamma or default_gamma(c.drafter.block_size)
-        self.attention_kind = resolve_kind(c.drafter.attention, self.device)
-        plan = self.compile_plan
-        self._flex = None
-        if self.attention_kind == "flex" and plan.flex:
-            self._flex = compiled_flex_attention(plan.drafter_mode, self._flex_kernel_options(plan.drafter_mode))
-        elif c.compile.flex_backend == "flash":
-            raise BadInput("compile.flex_backend=flash but this run's drafter attention is not compiled "
-                           f"flex_attention ({self.attention_kind} on {self.device.type}"
-                           f"{'' if plan.flex else ', compile.flex off'}); set compile.flex_backend=auto")
-        if plan.drafter:  # the whole forward (measured faster than per layer); the BlockMask stays eager
-            compile_drafter(self.drafter, plan.drafter_mode)
-        d = c.drafter
-        self.block_pass = BlockPass(self.drafter, d.block_size, self.gamma, d.num_anchors, d.loss_chunk_size,
-                                    d.loss_impl, self.attention_kind, self.device, self._flex, d.float8_head)
-
-    def _flex_kernel_options(self, mode: str) -> dict:
-        """flex_attention's kernel options: FlashAttention-4's kernels where they run here and pass the start-up
-        check (dflash.models.attention.probe_flash), else the Triton tiles. One log line says which and why."""
-        c, arch = self.config.compile, self.drafter.arch
-        backend, why = resolve_flex_backend(c.flex_backend, self.device, arch.head_dim)
-        if backend == "flash":
-            t0 = time.monotonic()
-            layers = tuple(arch.layer_mask(i) for i in range(arch.num_hidden_layers))
-            why = probe_flash(mode, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
-                              arch.block_size, self.device, layers)
-            if why is None:
-                log.info(f"compile: flex_attention on FlashAttention-4's kernels (flash-attn-4 {flash_version()}; "
-                         f"checked against the Triton kernels in {time.monotonic() - t0:.0f}s)")
-                return dict(FLASH_OPTIONS)
-            log.warning(f"compile: FlashAttention-4's kernels failed their start-up check ({why}); flex_attention "
-                        "runs on the Triton kernels. Set compile.flex_backend=triton to skip the check")
-        tiles = flex_options_for(c.flex_kernel_options, self.device, arch.head_dim)
-        log.info(f"compile: flex_attention kernel options {tiles or 'torch defaults'}"
-                 + (f" (Triton: {why})" if why and self.device.type == "cuda" else ""))
-        return tiles
+        built = build_drafter(self.config, self.layer_ids, self.tokenizer, self.target, self.device, self.compile_plan)
+        self.drafter, self.gamma, self.attention_kind = built.drafter, built.gamma, built.attention_kind
+        self._flex, self.block_pass = built.flex, built.block_pass
 
     def _build_optimizer(self) -> None:
         o = self.config.optim
@@ -415,7 +202,7 @@ class Trainer:
         return autocast_for(self.device)
 
     def prepare_blocks(self, batch: Batch, generator: torch.Generator):
-        """The host half of a micro-batch's loss (`dflash.loss.BlockPass.prepare`: anchors and blocks from the
+        """The host half of a micro-batch's loss (`dflash.components.loss.BlockPass.prepare`: anchors and blocks from the
         host copy, the GPU never waited for; the blocks sent to the device), and this micro-batch's FLOPs and loss
         weight. Returns the blocks on the device."""
         p = self.block_pass.prepare(batch, generator)
@@ -432,7 +219,7 @@ class Trainer:
     def drafter_loss(self, features: torch.Tensor, batch: Batch, generator: torch.Generator,
                      model=None) -> tuple[torch.Tensor, BlockStats]:
         """Loss and stats of one training micro-batch given its target features (shared by every topology; the
-        pass is `dflash.loss.BlockPass`, which the evals share)."""
+        pass is `dflash.components.loss.BlockPass`, which the evals share)."""
         blocks = self.prepare_blocks(batch, generator)
         loss, correct = self.blocks_loss(features, blocks, model)
         return loss, BlockStats.of(correct, blocks)
@@ -482,7 +269,7 @@ class Trainer:
             blocks = self.prepare_blocks(batch, generator)
             self.step_flops += self.last_flops.training
             weight = self.last_weight
-            # the whole step (forward to AdamW) from a CUDA graph where it can (dflash/step_graph.py)
+            # the whole step (forward to AdamW) from a CUDA graph where it can (dflash/training/step_graph.py)
             replayed = self.step_graphs.step(feats, blocks, weight) if self.step_graphs is not None else None
             if replayed is not None:
                 loss, st = replayed
@@ -519,7 +306,7 @@ class Trainer:
         epoch = self.sampler.epoch
         self.observer.heartbeat(self.step, epoch, "training")
         last: dict[str, Any] = {}
-        notifier = Notifier()  # the supervisor's watchdog: a ping per step (dflash/notify.py)
+        notifier = Notifier()  # the supervisor's watchdog: a ping per step (dflash/runtime/notify.py)
         while self.step < self.total_steps and not self.reducer.stop_agreed():
             epoch, res = self.train_step()
             window.add(res, self.step_flops, self.input_seconds)
@@ -551,23 +338,9 @@ class Trainer:
         self.observer.heartbeat(self.step, epoch, "stopped" if stopped else "finished",
                                 loss=last.get("loss"), tau=last.get("tau"), **self._eval_beat())
         if not stopped and self.observer.trackers:
-            self._export_to_trackers()
+            export_to_trackers(self.observer, self.ckpt, self.step, self.config.output_dir)
         self.observer.close()
         return result
-
-    def _export_to_trackers(self) -> None:
-        """The final checkpoint exported for serving (OUTPUT_DIR/trackers/export) and uploaded to the trackers as
-        the artifact `export`; a failure is one warning, never the run's."""
-        from dflash.export import export
-
-        target = Path(self.config.output_dir) / "trackers" / "export"
-        try:
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            self.observer.artifact(export(self.ckpt.path_for(self.step), target, which="latest"), "export")
-        except Exception as exc:  # noqa: BLE001 - the trained checkpoint is kept whatever the export does
-            log.warning(f"trackers: the export of step {self.step} for the trackers failed ({type(exc).__name__}: "
-                        f"{exc}); the checkpoint is kept, `dflash export` makes it")
 
     def _eval_beat(self) -> dict[str, Any]:
         return self.evaluator.heartbeat_fields()
@@ -591,7 +364,7 @@ class Trainer:
         return record
 
     def _report_eval(self) -> dict[str, Any] | None:
-        """The eval of this step (dflash.evaluate.Evaluator: simulated tau on the held-out set, the real
+        """The eval of this step (dflash.evaluation.evaluate.Evaluator: simulated tau on the held-out set, the real
         acceptance length of speculative decoding), run by the reporter alone; a new best real acceptance length
         keeps its checkpoint."""
         if not self.is_reporter:
@@ -601,44 +374,4 @@ class Trainer:
         return record
 
 
-def run_to_end(trainer: Trainer) -> dict[str, Any]:
-    """trainer.run(), then the input source's finish(); the reporter's heartbeat says `failed` (with the
-    reason) if either raises."""
-    try:
-        result = trainer.run()
-        trainer.source.finish()
-        return result
-    except BaseException as exc:
-        # the failure's class (dflash/failures.py) goes into the heartbeat and, as its exit code, to the supervisor
-        cls = failures.classify(exc) if isinstance(exc, Exception) else None
-        classified = cls in failures.RAISED_CLASSES and not isinstance(exc, failures.ClassifiedFailure)
-        reason = failures.describe(cls, exc, trainer.config) if classified else (
-            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        with contextlib.suppress(OSError):  # a full disk must not hide the error itself
-            trainer.observer.heartbeat(trainer.step, trainer.sampler.epoch, "failed", error=reason,
-                                       **({"failure_class": cls} if cls else {}))
-        with contextlib.suppress(Exception):
-            trainer.observer.close(failed=True)  # the trackers' runs end as failed
-        if classified:
-            raise failures.ClassifiedFailure(cls, reason) from exc
-        raise
-
-
-def train(config: RunConfig) -> dict[str, Any]:
-    """Single-process training. A stop signal during start-up (caught by the launcher's `stop.install()`)
-    ends it cleanly: before setup, nothing is loaded; during setup, it stops before the first step."""
-    if stop.requested():
-        log.info("received a stop signal during start-up: not starting")
-        return {"step": 0, "stopped": True}
-    trainer = Trainer(config).setup()
-    stop.install(lambda signum: log.info(f"received signal {signum}: stopping at the next step boundary with a "
-                                         f"checkpoint (an eval under way ends early)"))
-    if stop.requested():
-        log.info("received a stop signal during start-up: stopping before training")
-    try:
-        return run_to_end(trainer)
-    finally:
-        stop.finished()
-
-
-__all__ = ["LocalTarget", "SingleProcess", "Trainer", "cosine_schedule", "run_to_end", "step_generator", "train"]
+__all__ = ["Trainer", "cosine_schedule"]

@@ -23,7 +23,7 @@ class Blocks:
     labels: torch.Tensor  # (b, m, B-1): x_{a+k}, k = 1..B-1
     label_valid: torch.Tensor  # (b, m, B-1) bool: inside the sequence and in the loss mask
     rows: torch.Tensor | None = None  # (N,) flat indices of the valid labels, found on the host by `to`
-    row_mask: torch.Tensor | None = None  # (N,) float: 0 for padding rows (dflash/step_graph.py), else None
+    row_mask: torch.Tensor | None = None  # (N,) float: 0 for padding rows (dflash/training/step_graph.py), else None
 
     def row_index(self) -> torch.Tensor:
         """Flat indices of the valid labels in (b, m, B-1), in order: the loss rows. Blocks moved by `to` carry
@@ -176,7 +176,7 @@ class _FusedHeadCE(torch.autograd.Function):
     The LM head is frozen, so only the rows need a gradient: (softmax - onehot) * w @ W. Computing it while
     the chunk's logits exist saves the logits recompute of the checkpointed path: 2 head-sized matmuls per
     row instead of 3. Backward only scales the saved gradient. Returns (total, hits). With `float8`, both
-    matmuls run in float8 (dflash.float8.Float8Head); the softmax and the loss stay in fp32.
+    matmuls run in float8 (dflash.components.float8.Float8Head); the softmax and the loss stay in fp32.
     """
 
     @staticmethod
@@ -186,7 +186,7 @@ class _FusedHeadCE(torch.autograd.Function):
         hits = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)
         kernel = ce_rows_kernel(rows.device, float8)
         if float8:
-            from dflash.float8 import float8_head
+            from dflash.components.float8 import float8_head
 
             head8 = float8_head(weight)
         else:

@@ -31,7 +31,7 @@ decoding, the baseline of `dflash eval --suite`) is measured with.
 Greedy speculative decoding is lossless: its output equals `greedy_generate` token for token (tested in
 float32). In bfloat16 the verify forward over B tokens and the one-token forward of plain decoding round
 differently, so where the target's top two logits are within rounding of each other (a numerical tie) the two
-may pick different tokens; `dflash.evaluate` tells such ties from real mismatches by the reference's margin.
+may pick different tokens; `dflash.evaluation.evaluate` tells such ties from real mismatches by the reference's margin.
 """
 
 from __future__ import annotations

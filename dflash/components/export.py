@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dflash.checkpoint import CheckpointManager
+from dflash.components.checkpoint import CheckpointManager
 from dflash.errors import BadInput
 from dflash.fileio import raise_if_full
 from dflash.logs import get_logger
@@ -22,7 +22,7 @@ from dflash.models.target import DTYPES
 
 log = get_logger(__name__)
 
-MODELING_FILE = Path(__file__).resolve().parent / "models" / "hf_remote" / "modeling_dflash.py"
+MODELING_FILE = Path(__file__).resolve().parents[1] / "models" / "hf_remote" / "modeling_dflash.py"
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 

@@ -1,7 +1,7 @@
 """Evaluation of a drafter against its target: the trainer's evals and `dflash eval`, one code path.
 
 `Evaluator` is the component both use. It owns which held-out batches an eval reads, the simulated tau over
-them (the training pass, `dflash.loss.BlockPass`, with the drafter's own compiled forward), the tau along the
+them (the training pass, `dflash.components.loss.BlockPass`, with the drafter's own compiled forward), the tau along the
 decoding path, the real acceptance length of greedy speculative decoding on its prompts, and the eval record
 it reports (the log line, the `"kind": "eval"` line of metrics.jsonl, the heartbeat's eval fields).
 
@@ -25,21 +25,21 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash import stop
+from dflash.components.loss import BlockPass, BlockStats, step_generator
 from dflash.data.buckets import Batch, BatchShape, RoundRobinBatchSampler, collate
 from dflash.data.chat import TokenizedSet
 from dflash.errors import BadInput, DflashError
-from dflash.logs import get_logger
-from dflash.loss import BlockPass, BlockStats, step_generator
-from dflash.models.drafter import Drafter
-from dflash.models.target import Target
-from dflash.speculative import (
+from dflash.evaluation.speculative import (
     PROMPT_LOOKUP_NGRAM,
     first_difference,
     greedy_generate,
     prompt_lookup_generate,
     speculative_generate,
 )
+from dflash.logs import get_logger
+from dflash.models.drafter import Drafter
+from dflash.models.target import Target
+from dflash.runtime import stop
 
 log = get_logger(__name__)
 
@@ -54,7 +54,7 @@ class LosslessnessError(DflashError):
 
 class EvalNotLossless(LosslessnessError):
     """The trainer's own eval found such a token: the run fails, and that step never becomes the best. Its failure
-    class (dflash/failures.py) is `bad_input`: a restart decodes the same way again, so it is never restarted."""
+    class (dflash/runtime/failures.py) is `bad_input`: a restart decodes the same way again, so it is never restarted."""
 
     failure_class = "bad_input"
 
@@ -396,7 +396,7 @@ class Evaluator:
 
     The held-out passes call the drafter's own `forward` (compiled with the drafter, never a DDP wrapper: one
     process evaluates alone) through `block_pass`; without held-out data, its batch shape or a pass (`dflash
-    eval`) only `speculative` runs. A stop request (dflash.stop) ends an eval at its next batch or prompt; the
+    eval`) only `speculative` runs. A stop request (dflash.runtime.stop) ends an eval at its next batch or prompt; the
     drafter's train/eval mode is restored whatever happens."""
 
     def __init__(self, drafter: Drafter, source: FeatureSource, *, prompts: list[Prompt], max_new_tokens: int,
@@ -416,7 +416,7 @@ class Evaluator:
         self.block_pass = block_pass
         self.forward = forward if forward is not None else drafter.forward
         self.autocast = autocast
-        self.observer = observer  # dflash.observability.RunObserver; None: the log line only
+        self.observer = observer  # dflash.runtime.observability.RunObserver; None: the log line only
         self.max_batches = max_batches
         self.walk_batches = walk_batches
         self.last: dict[str, Any] | None = None  # the last eval record
@@ -631,7 +631,7 @@ def eval_token_limit(config) -> tuple[int, str]:
 
 def run_dir_of(checkpoint: Path) -> Path | None:
     """The run directory a chosen checkpoint belongs to (RUN/checkpoints/step-N), or None (an export)."""
-    from dflash.checkpoint import STEP_NAME
+    from dflash.components.checkpoint import STEP_NAME
 
     checkpoint = Path(checkpoint)
     if STEP_NAME.fullmatch(checkpoint.name) and checkpoint.parent.name == "checkpoints":
@@ -684,9 +684,9 @@ def load_eval_models(config_path: str, drafter_path: str, overrides: list[str], 
     """The config, the drafter (checked against the config's target before the target loads), the tokenizer
     and the target; `out` is checked first. A run directory gives its best checkpoint where it kept one, else its
     newest (`latest`: the newest), as `dflash export` does; one line on stderr says which was taken."""
+    from dflash.components.export import choose_checkpoint
     from dflash.config import load_config, resolved_layer_ids
     from dflash.devices import pick_device
-    from dflash.export import choose_checkpoint
     from dflash.inputs import load_tokenizer
     from dflash.models.target import build_hf_model, num_layers_of, target_config, text_config_of
 

@@ -90,7 +90,7 @@ class Float8Head:
     """The frozen LM head (vocab, hidden) for the fused loss's two matmuls in float8 (`drafter.float8_head`): the
     logits rows @ W^T and the rows' gradient G @ W. W is cast once (row scales for the first, column scales for
     the second); the rows are cast per chunk (e4m3, row scales) and G arrives in e5m2 with its row scales
-    (dflash.loss.ce_rows_float8). Products accumulate in fp32 and come out in `out_dtype`."""
+    (dflash.components.loss.ce_rows_float8). Products accumulate in fp32 and come out in `out_dtype`."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight, self.version = weight, weight._version  # the cache below is keyed by both
