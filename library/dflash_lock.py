@@ -52,7 +52,7 @@ options:
     type: bool
     default: true
   take_over:
-    description: The owner token of a lock whose holder is gone: that lock is broken and taken at once.
+    description: The owner token of a lock whose holder is gone; that lock is broken and taken at once.
     type: str
     default: ""
   controller:
