@@ -278,6 +278,10 @@ class HealthTracker:
             else:
                 reason = f"unit {unit['active_state']} ({unit.get('sub_state')})"
             failures.append(("unit", reason, True))
+        elif self.params.get("first_failure") and (unit.get("restarts") or 0) > 0:
+            # a launch a deploy can roll back: its first end is its failure, not the restart burst's last
+            failures.append(("unit", f"the launch ended ({unit.get('last_exit_reason') or 'exit status ' + str(unit.get('exit_status'))}) "
+                             f"and its restart policy restarted it {unit.get('restarts')} time(s): failed at its start", True))
         elif not unit.get("main_pid"):
             failures.append(("unit", f"unit {unit['active_state']} but has no MainPID yet", False))
         elif not unit.get("main_pid_alive"):
@@ -436,6 +440,8 @@ class HealthTracker:
                 return TRAINING
             if hb and hb.get("status") == "failed":
                 return CRASHED
+            if self.params.get("first_failure") and (unit.get("restarts") or 0) > 0:
+                return CRASHED if hb and hb.get("step", 0) > 0 else FAILED_TO_START
             return HUNG if any(f["final"] for f in failures) else STARTING
         if unit.get("lost"):
             # Never `stopped`: the shutdown's SIGTERM looks like a stop on purpose, but the job was meant to run.
