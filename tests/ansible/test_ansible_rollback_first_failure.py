@@ -35,7 +35,17 @@ def test_the_start_window_of_a_launch_that_can_roll_back_ends_at_its_first_failu
     result = check_health(host, _params(tmp_path, first_failure=True), lambda: dict(unit))
     assert not result["healthy"] and result["state"] == "failed-to-start"
     assert host.clock < 5  # at once: not after the progress window, nor the restart burst
-    assert "the launch ended (exit-code (exited 1)) and its restart policy restarted it 1 time(s)" in result["diagnosis"]
+    assert "the launch ended (exit-code (exited 1)) and its restart policy restarts it" in result["diagnosis"]
+
+
+@pytest.mark.parametrize("unit", [
+    {**RESTARTING, "restarts": 0},  # systemd counts the restart only once its delay is over
+    {**RESTARTING, "restarts": 0, "sub_state": "running", "main_pid": 1, "last_exit_reason": "exit-code (exited 1)"},
+])
+def test_the_first_end_counts_before_its_restart_does(tmp_path, fake_host, unit):
+    host = fake_host()
+    result = check_health(host, _params(tmp_path, first_failure=True), lambda: {**unit, "started_at": time.time() - 3})
+    assert result["state"] == "failed-to-start" and host.clock < 5, result["diagnosis"]
 
 
 def test_without_a_rollback_the_restart_burst_is_waited_out(tmp_path, fake_host):
