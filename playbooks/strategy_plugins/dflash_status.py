@@ -10,6 +10,10 @@ this strategy ends the play with 1, ansible-playbook's exit status then; any oth
 an unreachable container) keeps Ansible's own (2, 4).
 
 Found beside the playbooks (``strategy_plugins/``); status.yml names it with ``strategy: dflash_status``.
+ansible-core 2.19 warns that strategy plugins outside ansible.builtin are deprecated (one DEPRECATION WARNING line per
+run): no other part of a playbook sets ansible-playbook's exit status (a failed task is 2, an error in a play keyword
+4). Should a later ansible-core drop them, status.yml exits 2 again for an unhealthy job, tests/ansible/
+test_ansible_status_exit.py says so, and `make status` / `dflash ops status` keep their 1.
 """
 
 from __future__ import annotations
