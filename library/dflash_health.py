@@ -88,6 +88,12 @@ options:
         O(progress_window); V(0) means O(progress_window).
     type: int
     default: 0
+  first_failure:
+    description:
+      - The start window of a launch a deploy can roll back - the first end of this launch is final, also one its
+        restart policy restarted (a restart count above 0), so the rollback comes at once, not after the restart burst.
+    type: bool
+    default: false
   poll_interval:
     description: Seconds between snapshots.
     type: int
@@ -340,6 +346,7 @@ def main():
             "timeout": {"type": "int", "default": 300},
             "progress_window": {"type": "int", "default": 120},
             "start_window": {"type": "int", "default": 0},
+            "first_failure": {"type": "bool", "default": False},
             "poll_interval": {"type": "int", "default": 5},
             "log_lines": {"type": "int", "default": 40},
             "fail_on_unhealthy": {"type": "bool", "default": True},

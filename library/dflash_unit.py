@@ -173,6 +173,12 @@ options:
     type: list
     elements: str
     default: []
+  hook_hold:
+    description:
+      - Seconds from this launch during which O(on_failure) does not run (a deploy that rolls a failed start back
+        pages nobody); 0 lifts an earlier hold. It does not enter the launch's identity.
+    type: int
+    default: 0
 requirements:
   - systemd-run and systemctl for the systemd backend; nvidia-smi to wait for GPU release (skipped without it).
 attributes:
@@ -330,6 +336,7 @@ ARGUMENT_SPEC = {
     "watchdog": {"type": "int", "default": 0},
     "watchdog_start": {"type": "int", "default": 0},
     "on_failure": {"type": "list", "elements": "str", "default": []},
+    "hook_hold": {"type": "int", "default": 0},
 }
 
 
@@ -408,6 +415,7 @@ def main():
                     "classes": policy},
         "watchdog": {"interval": p["watchdog"], "start_interval": p["watchdog_start"]},
         "on_failure": p["on_failure"],
+        "hook_hold": p["hook_hold"],
         "config_hash": config_hash(p["command"], spec_env(p), env_text, config_text, p["working_directory"], p["user"],
                                    supervision=supervision(p))
         if launching

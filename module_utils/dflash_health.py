@@ -210,6 +210,12 @@ def unit_gpu_memory(obs, gpu_ids):
     return out
 
 
+def ended_since_launch(unit):
+    """The running unit's launch ended at least once already (its restart policy restarts it, or did): a restart
+    counted, systemd's `auto-restart` wait, or a failed end in the unit's records since the launch."""
+    return bool((unit.get("restarts") or 0) > 0 or unit.get("sub_state") == "auto-restart" or unit.get("last_exit_reason"))
+
+
 class HealthTracker:
     """Accumulates observations; ``update`` returns the failures of the latest one.
 
@@ -278,6 +284,11 @@ class HealthTracker:
             else:
                 reason = f"unit {unit['active_state']} ({unit.get('sub_state')})"
             failures.append(("unit", reason, True))
+        elif self.params.get("first_failure") and ended_since_launch(unit):
+            # a launch a deploy can roll back: its first end is its failure, not the restart burst's last
+            ended = unit.get("last_exit_reason") or f"exit status {unit.get('exit_status')}"
+            failures.append(("unit", f"the launch ended ({ended}) and its restart policy restarts it (restarted "
+                             f"{unit.get('restarts') or 0} time(s) so far): failed at its start", True))
         elif not unit.get("main_pid"):
             failures.append(("unit", f"unit {unit['active_state']} but has no MainPID yet", False))
         elif not unit.get("main_pid_alive"):
@@ -436,6 +447,8 @@ class HealthTracker:
                 return TRAINING
             if hb and hb.get("status") == "failed":
                 return CRASHED
+            if self.params.get("first_failure") and ended_since_launch(unit):
+                return CRASHED if hb and hb.get("step", 0) > 0 else FAILED_TO_START
             return HUNG if any(f["final"] for f in failures) else STARTING
         if unit.get("lost"):
             # Never `stopped`: the shutdown's SIGTERM looks like a stop on purpose, but the job was meant to run.

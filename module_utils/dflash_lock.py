@@ -4,8 +4,11 @@
 
 A deploy holds it from copying the code until the unit is (re)started, so two deploys of the
 same job never interleave: the second waits, then finds the job already deployed. The file
-names its owner (a token of the play) and when it was taken; a lock older than ``stale_after``
-(its deploy was killed) is broken with a warning. It lives under /run, so a reboot clears it.
+names its owner (a token of the play), when it was taken and the controller process of the deploy
+(``controller``: host, boot id, pid and its start time). A deploy that finds the lock held and
+its holder's process gone from this controller (killed: Ctrl-C, SIGKILL) takes it over
+(``take_over``, decided on the controller: playbooks/action_plugins/dflash_lock.py); a lock older
+than ``stale_after`` is broken with a warning. It lives under /run, so a reboot clears it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ import uuid
 
 class LockError(Exception):
     pass
+
+
+class LockBusy(LockError):
+    """Another owner holds the lock and the caller asked not to wait: ``held`` is its record."""
+
+    def __init__(self, held):
+        super().__init__(f"held by {held['holder']}")
+        self.held = held
 
 
 def read_lock(path):
@@ -63,13 +74,19 @@ def _break(path):
     os.unlink(aside)
 
 
-def acquire(path, owner, holder, timeout, stale_after, host, what="deploy"):
-    """Take the lock (waiting up to ``timeout`` s). Returns ``(changed, waited_s, broken_lock_or_None)``."""
+def acquire(path, owner, holder, timeout, stale_after, host, what="deploy", wait=True, take_over=None, controller=None):
+    """Take the lock (waiting up to ``timeout`` s). Returns ``(changed, waited_s, broken_lock_or_None)``.
+
+    ``wait=False`` raises LockBusy (with the holder's record) instead of waiting; ``take_over`` is the owner token of
+    a lock whose holder is known to be gone: that lock is broken and taken at once (it is returned as broken).
+    ``controller`` (a dict) is written into the record for the next deploy to judge whether this one is alive."""
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     start = host.now()
     broken = None
     while True:
         record = {"owner": owner, "holder": holder, "since": time.time()}
+        if controller:
+            record["controller"] = controller
         if _try_create(path, record):
             return True, round(host.now() - start, 1), broken
         held = read_lock(path)
@@ -78,10 +95,12 @@ def acquire(path, owner, holder, timeout, stale_after, host, what="deploy"):
         if held["owner"] == owner:
             return False, round(host.now() - start, 1), broken
         age = time.time() - held["since"]
-        if age > stale_after:
+        if age > stale_after or (take_over and held["owner"] == take_over):
             broken = held
             _break(path)
             continue
+        if not wait:
+            raise LockBusy(held)
         waited = host.now() - start
         if waited >= timeout:
             raise LockError(

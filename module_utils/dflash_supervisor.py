@@ -264,12 +264,27 @@ def hook_environment(options, words, result, failure_class=None):
             "DFLASH_REASON": f"{result}: {words}", "DFLASH_FAILURE_CLASS": failure_class or ""}
 
 
+def hook_held(state_dir, now=None):
+    """A deploy holds the failure hook until the deadline in STATE_DIR/hook-hold (dflash_unit_records.set_hook_hold)."""
+    try:
+        with open(os.path.join(state_dir, "hook-hold"), encoding="utf-8") as handle:
+            deadline = int(handle.read().strip())
+    except (OSError, ValueError):
+        return False
+    return (time.time() if now is None else now) < deadline
+
+
 def run_hook(options, words, result, failure_class=None):
     """Restarts exhausted (or refused by the policy of the failure class): the operator's command, in root's
     environment with the job's name, the reason and the failure class (hook_environment)."""
     with open(os.path.join(options["state_dir"], "failed"), "w") as handle:
         handle.write(f"{result}: {words}\n")
     if not options.get("on_failure"):
+        return
+    if hook_held(options["state_dir"]):
+        sys.stderr.write("dflash-unit: failure hook not run: a deploy checks this launch within its start window and "
+                         "rolls it back (its output says why)\n")
+        sys.stderr.flush()
         return
     env = hook_environment(options, words, result, failure_class)
     pid = os.fork()

@@ -17,7 +17,15 @@ import shutil
 from ansible.module_utils.dflash_gpu import GpuQueryError, gpus_above, query_gpus
 from ansible.module_utils.dflash_host import read_text, tail_lines
 from ansible.module_utils.dflash_unit_daemon import DaemonBackend
-from ansible.module_utils.dflash_unit_records import RUNNING, STOPPED, is_running, read_desired, write_desired
+from ansible.module_utils.dflash_unit_records import (
+    RUNNING,
+    STOPPED,
+    is_running,
+    make_state_dir,
+    read_desired,
+    set_hook_hold,
+    write_desired,
+)
 from ansible.module_utils.dflash_unit_spec import UnitError, check_spec, plan_action
 from ansible.module_utils.dflash_unit_systemd import SystemdBackend
 
@@ -133,6 +141,8 @@ def ensure(spec, state, backend, host, check_mode=False):
                     f"{spec.get('gpu_release_timeout', GPU_RELEASE_TIMEOUT)}s after the stop ({held}); a process outside the "
                     "job holds them (see nvidia-smi) - end it, or raise gpu_release_timeout"
                 )
+            make_state_dir(state_dir)
+            set_hook_hold(host, state_dir, spec.get("hook_hold") or 0)
             backend.start(spec)
             write_desired(host, state_dir, RUNNING)
             host.atomic_write(hash_file, current_hash + "\n")

@@ -150,6 +150,24 @@ def read_desired(state_dir):
     return value if value in (RUNNING, STOPPED) else None
 
 
+# A deploy that can roll a new launch back holds the failure hook for the launch's start window (dflash_unit's
+# hook_hold): the file holds the deadline (epoch seconds); the hook does not run before it. The rollback's own
+# launch, any launch without hook_hold, and the deploy once the launch trains, lift it; the deadline ends the hold
+# of a deploy that was killed.
+HOOK_HOLD_FILE = "hook-hold"
+
+
+def set_hook_hold(host, state_dir, seconds, now=None):
+    """Hold the failure hook for ``seconds`` from now (``seconds`` <= 0: lift any hold)."""
+    import time
+
+    path = os.path.join(state_dir, HOOK_HOLD_FILE)
+    if seconds and seconds > 0:
+        host.atomic_write(path, f"{int((now or time.time()) + seconds)}\n", mode=0o600)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def write_desired(host, state_dir, value):
     if value not in (RUNNING, STOPPED):
         raise UnitError(f"desired state {value!r} is not one of {RUNNING}, {STOPPED}")

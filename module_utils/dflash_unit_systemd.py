@@ -19,6 +19,7 @@ import time
 from ansible.module_utils.dflash_failures import EXIT_CODES, SIGNAL, codes_with
 from ansible.module_utils.dflash_host import read_text
 from ansible.module_utils.dflash_unit_records import (
+    HOOK_HOLD_FILE,
     RUNNING,
     add_restart_facts,
     check_log_path,
@@ -331,6 +332,15 @@ def systemd_run_args(spec, systemd_run="systemd-run"):
     return args
 
 
+# The hook unit's ExecCondition=: skip the hook (exit 1) while a deploy holds it (dflash_unit_records.HOOK_HOLD_FILE,
+# $0: the deadline in epoch seconds, then the hold ends by itself). An unreadable file holds nothing.
+HOOK_HOLD_SCRIPT = (
+    f'if [ -f "$0" ] && [ "$({DATE} +%s)" -lt "$(/bin/cat "$0" 2>/dev/null || echo 0)" ]; then '
+    'echo "dflash-unit: failure hook not run: a deploy checks this launch within its start window and rolls it back '
+    '(its output says why)"; exit 1; fi'
+)
+
+
 def hook_unit_text(spec):
     """The unit systemd starts (OnFailure=) when the job's restarts are exhausted: the operator's command with
     DFLASH_JOB, DFLASH_REASON (the last end: result, exit) and systemd's MONITOR_* variables."""
@@ -347,6 +357,8 @@ def hook_unit_text(spec):
         f"EnvironmentFile=-{os.path.join(spec['state_dir'], 'reason.env')}\n"
         f"StandardOutput=append:{spec['log_path']}\n"
         f"StandardError=append:{spec['log_path']}\n"
+        f"ExecCondition=/bin/sh -c {systemd_quote(HOOK_HOLD_SCRIPT.replace('%', '%%'))} "
+        f"{systemd_quote(os.path.join(spec['state_dir'], HOOK_HOLD_FILE))}\n"
         f"ExecStart={words}\n"
     )
 

@@ -91,3 +91,17 @@ def test_make_recipes_do_not_inherit_pythondontwritebytecode(tmp_path):
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_controller_venv_says_what_it_installs_before_each_silent_pip(tmp_path):
+    """`pip -q` prints nothing for minutes on the first `make train`: each install step of the venv (make -n, the
+    recipe as it would run) is preceded by a line naming what it installs."""
+    proc = subprocess.run(["make", "-n", "-W", "pyproject.toml", ".venv/.installed"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    installs = [i for i, line in enumerate(lines) if "pip install" in line]
+    assert len(installs) == 4, lines
+    for n, i in enumerate(installs, 1):
+        before = lines[max(0, i - 2):i]
+        assert any(line.startswith("echo \"controller venv .venv [") and f"[{n}/4]" in line for line in before), (n, lines)

@@ -35,6 +35,7 @@ from dflash.ops.results import (
     ContainerStatus,
     OpsResult,
     printable,
+    report_lines,
 )
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
@@ -145,6 +146,11 @@ def render(result: OpsResult, console: Console, show_logs: bool) -> None:
     for job in result.jobs:  # a multi-node job across its containers
         style = _STATE_STYLE.get(job.state, "")
         console.print(f"[{style}]{escape(job.describe())}[/]" if style else escape(job.describe()), soft_wrap=True)
+    if result.operation == "status":  # status.yml's report lines of each job (results.report_lines)
+        for c in result.containers.values():
+            if c.health_state:
+                for line in report_lines(c):
+                    console.print(escape(line), soft_wrap=True)
     for c in result.containers.values():
         # One diagnosis per job, printed once: it holds the log tail already.
         diagnosis = (c.failure.diagnosis if c.failure else None) or (c.diagnosis if c.state not in OK_STATES else None)

@@ -106,6 +106,8 @@ class ContainerStatus:
     checkpoint: str | None = None  # the newest checkpoint (what a restart resumes from)
     finished: bool = False
     failed_invariants: list[str] = field(default_factory=list)
+    failures: list[dict[str, str]] = field(default_factory=list)  # dflash_health's: {invariant, reason}
+    name: str | None = None  # the job's name (dflash_health's `job`)
     diagnosis: str | None = None
     step: int | None = None
     epoch: int | None = None
@@ -274,6 +276,24 @@ def _describe(c: ContainerStatus) -> str:
     return ", ".join(bits)
 
 
+def report_lines(c: ContainerStatus) -> list[str]:
+    """The job's report lines that status.yml prints (roles/job/templates/status.txt.j2): the state and each failed
+    invariant with its reason (why a `starting` job has no heartbeat yet, too), the hint, and the restarts line
+    (restart count, watchdog kills, last failure, the crash loop)."""
+    state = c.health_state or c.state
+    lines = [f"{c.host} / {c.name or c.job or '-'}: {state}{'' if state in OK_STATES else ' (NOT HEALTHY)'}"]
+    if state not in (STOPPED, FINISHED):
+        lines += [f"  - {f['invariant']}: {f['reason']}" for f in c.failures]
+    if c.hint:
+        lines.append(f"  {c.hint}")
+    restarts = f"restarts   {c.restarts or 0} (watchdog kills {c.watchdog_kills or 0})"
+    if c.last_exit_reason:
+        restarts += f", last failure {c.last_exit_reason}"
+    if c.crash_loop:
+        restarts += " - crash loop: restarts exhausted, the unit stays failed"
+    return lines + [restarts]
+
+
 def module_name(event_data: dict[str, Any]) -> str:
     """`dflash_health` for `dflash_health`, `ansible.legacy.dflash_health`, `local.x.dflash_health`."""
     action = event_data.get("resolved_action") or event_data.get("task_action") or ""
@@ -424,6 +444,9 @@ def _apply_health(container: ContainerStatus, res: dict[str, Any]) -> None:
     container.checkpoint = res.get("checkpoint")
     container.finished = bool(res.get("finished"))
     container.failed_invariants = list(res.get("failed_invariants") or [])
+    container.failures = [{"invariant": str(f.get("invariant")), "reason": str(f.get("reason"))}
+                          for f in res.get("failures") or [] if isinstance(f, dict)]  # fmt: skip
+    container.name = res.get("job") or container.name
     container.diagnosis = health_diagnosis(res)
     for key in ("step", "epoch", "loss", "tokens_per_s", "tau", "acceptance_length"):
         setattr(container, key, res.get(key))

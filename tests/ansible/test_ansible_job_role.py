@@ -240,7 +240,8 @@ def test_a_release_failing_at_start_is_rolled_back_when_the_job_was_still_starti
 def test_rejected_config_leaves_config_code_and_job_as_they_were(role_run):
     rejected, after = role_run["rejected"], role_run["after_reject"]
     assert rejected is not None, "the deploy of a config the trainer rejects did not fail"
-    assert "dflash: error: data.jsonl:7: malformed JSON" in rejected["msg"] + rejected.get("stderr", "")
+    # the headline (the failed task's msg) names the file, the line and the fix, not only its stderr
+    assert "dflash: error: data.jsonl:7: malformed JSON" in rejected["msg"]
     # The job of the config change runs on, untouched, and its config file is still the accepted one.
     assert after["state"] == "training" and after["unit"]["main_pid"] == role_run["changed"]["main_pid"]
     assert "fake_reject" not in role_run["config_after_reject"] and "seed: 1" in role_run["config_after_reject"]
