@@ -11,16 +11,12 @@
 # goes on. Run outputs stay under $RUNS_DIR (default /dev/shm/e2e-sweep), not in $OUT. LABEL (default none)
 # prefixes the run names and is recorded in each line, so one call can sweep several settings
 # (EXTRA_OVERRIDES: more `dflash train` overrides, e.g. the data).
-set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-out="${OUT:-/tmp/e2e-sweep-out}"
-runs="${RUNS_DIR:-/dev/shm/e2e-sweep}"
+. "$(dirname "$0")/lib.sh" /tmp/e2e-sweep-out /dev/shm/e2e-sweep
 cfg="${1:-tests/distributed/configs/gpu-8b.yaml}"
 shift || true
 budgets="${*:-6144 12288 24576}"
 limit="${PER_RUN_LIMIT_S:-170}"
 label="${LABEL:-}"
-mkdir -p "$out" "$runs"
 for budget in $budgets; do
   t0=$SECONDS
   smi="$out/e2e-$label$budget-smi.csv"

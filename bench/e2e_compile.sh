@@ -12,16 +12,12 @@
 # $OUT/e2e-compile.jsonl: exit code, wall time, the steady tokens/s and sequences/s (records after the
 # first, i.e. compilation excluded), peak memory, and the seconds from the target being loaded ("target:"
 # line) to the first step line (the restart figure).
-set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-out="${OUT:-/tmp/e2e-compile-out}"
-runs="${RUNS_DIR:-/dev/shm/e2e-compile}"
+. "$(dirname "$0")/lib.sh" /tmp/e2e-compile-out /dev/shm/e2e-compile
 cfg="${1:-tests/distributed/configs/gpu-8b.yaml}"
 shift || true
 which="${*:-eager drafter compiled restart}"
 steps="${STEPS:-20}"
 limit="${PER_RUN_LIMIT_S:-240}"
-mkdir -p "$out" "$runs"
 common=(topology.nproc=1 logging.interval=1 eval.speculative_prompts=0 checkpoint.interval="$steps"
         "data.synthetic.num_samples=${SAMPLES:-160}" ${EXTRA_OVERRIDES:-})
 for run in $which; do

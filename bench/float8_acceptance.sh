@@ -7,13 +7,9 @@
 # and evals; `drafter.float8=true` is the only difference. Its metrics.jsonl (the loss curve, the eval records
 # with the real acceptance length) goes to $OUT/f8acc-<variant>.jsonl, its log to $OUT/f8acc-<variant>.log, and
 # one JSON line per variant (exit, wall time, the evals) to $OUT/f8acc.jsonl.
-set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-out="${OUT:-/tmp/f8acc-out}"
-runs="${RUNS_DIR:-/dev/shm/f8acc}"
+. "$(dirname "$0")/lib.sh" /tmp/f8acc-out /dev/shm/f8acc
 cfg="${1:-configs/tiny-cpu.yaml}"
 shift || true
-mkdir -p "$out" "$runs"
 for variant in ${VARIANTS:-bf16 fp8}; do
   extra=()
   [ "$variant" = fp8 ] && extra=(drafter.float8=true)

@@ -23,6 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.lib import record as record_section  # noqa: E402
+
 QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "max_position_embeddings": 40960, "rope_theta": 1000000.0}
@@ -58,11 +60,7 @@ if os.environ.get("DFLASH_BENCH_NO_KERNELS") == "1":
 
 def record(section: str, data: dict) -> None:
     RESULTS[section] = data
-    path = OUT / "results.json"
-    merged = json.loads(path.read_text()) if path.exists() else {}
-    merged[section] = data
-    path.write_text(json.dumps(merged, indent=2))
-    print(f"[{section}] {json.dumps(data)}", flush=True)
+    record_section(OUT / "results.json", section, data)
 
 
 def sync():

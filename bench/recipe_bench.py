@@ -19,7 +19,6 @@ Each section appends to DIR/results.json.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -31,16 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_bench import QWEN3_8B, TINY_DENSE, build, device, sync  # noqa: E402
+from bench.lib import record as record_section  # noqa: E402
 
 OUT = Path(".")
 
 
 def record(section: str, data: dict) -> None:
-    path = OUT / "results.json"
-    merged = json.loads(path.read_text()) if path.exists() else {}
-    merged[section] = data
-    path.write_text(json.dumps(merged, indent=2))
-    print(f"[{section}] {json.dumps(data)}", flush=True)
+    record_section(OUT / "results.json", section, data)
 
 
 def sec_baseline(model, args):

@@ -8,13 +8,9 @@
 # output_dir/regenerated/ (the trainer reuses answers whose cache key matches: answers made elsewhere).
 # Per variant: $OUT/var-LABEL.log, $OUT/var-LABEL.jsonl (metrics) and one JSON line in $OUT/variants.jsonl
 # (exit, wall time, the loss every 100 steps, the evals).
-set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-out="${OUT:-/tmp/variants-out}"
-runs="${RUNS_DIR:-/dev/shm/variants}"
+. "$(dirname "$0")/lib.sh" /tmp/variants-out /dev/shm/variants
 cfg="$1"
 shift
-mkdir -p "$out" "$runs"
 pids=()
 labels=()
 for spec in "$@"; do

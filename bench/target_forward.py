@@ -25,7 +25,6 @@ Timings are medians of CUDA-event-timed repetitions after warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -37,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flex_tiles import median_ms  # noqa: E402
 from gpu_power import GpuSampler  # noqa: E402
 
+from bench.lib import record as record_section  # noqa: E402
+
 QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "max_position_embeddings": 4096}
@@ -44,9 +45,7 @@ RESULTS: dict = {}
 
 
 def record(out: Path, name: str, data: dict) -> None:
-    RESULTS[name] = data
-    (out / "target_forward.json").write_text(json.dumps(RESULTS, indent=2))
-    print(f"[{name}] {json.dumps(data)}", flush=True)
+    record_section(out / "target_forward.json", name, data, RESULTS)
 
 
 def cuda_ms(fn, warmup: int = 3, iters: int = 10) -> float:

@@ -352,7 +352,7 @@ def test_target_float8_stages_of_a_split_target_chain_to_the_unsplit_float8_feat
     assert target_float8(unsplit) == (5 * 7, 0)
     want = unsplit.features(ids)
     hidden, collected, converted = None, [], 0
-    for s, (start, stop) in enumerate(stage_bounds(max(taps), 2)):
+    for s, (start, stop) in enumerate(stage_bounds(taps, 2)):
         stage = TargetStage(build_hf_model(None, dict(TARGET), "float32", seed=3), taps, start, stop,
                             keep_embedding=s == 0, keep_head=s == 0)
         converted += target_float8(stage)[0]

@@ -48,6 +48,27 @@ def test_forward_stops_after_deepest_tapped_layer_and_skips_lm_head():
     assert target.embed_tokens is model.model.embed_tokens and target.lm_head is model.lm_head
 
 
+def test_one_depth_for_the_feature_forward_its_stages_and_its_float8_layers():
+    """`feature_depth` is the one "target up to layer k": the layers `Target` runs, the last stage's end and the
+    layers `target.float8` swaps all follow it (the taps unsorted: the deepest is not the last one given)."""
+    from dflash.components.float8 import target_float8
+    from dflash.models.target import feature_depth
+    from dflash.runtime.stages import stage_bounds
+
+    taps = [3, 1]
+    assert feature_depth(taps) == 4 and feature_depth([0]) == 1
+    model = build_hf_model(None, dict(QWEN3), "float32")
+    entered = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda *_a, i=i: entered.append(i))
+    target = Target(model, taps)
+    target.features(torch.randint(0, 50, (1, 5)))
+    assert entered == list(range(feature_depth(taps))) == [0, 1, 2, 3]
+    assert stage_bounds(taps, 1) == [(0, 4)] and stage_bounds(taps, 3)[-1][1] == 4
+    swapped, kept = target_float8(target)
+    assert (swapped, kept) == (4 * 7, 0)  # q, k, v, o, gate, up, down of layers 0-3, none of layers 4-5
+
+
 def test_hybrid_target_reports_slow_path_without_kernels():
     from dflash.runtime.doctor import PROBE_HYBRID
 
@@ -83,7 +104,7 @@ def test_layer_split_stages_chain_to_the_unsplit_features(spec, vocab, stages):
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0  # a padded row
     want = Target(build_hf_model(None, dict(spec), "float32", seed=3), taps).features(ids, mask)
-    bounds = stage_bounds(max(taps), stages)
+    bounds = stage_bounds(taps, stages)
     assert bounds[0][0] == 0 and bounds[-1][1] == max(taps) + 1
     assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(stages - 1))
     hidden, collected = None, []
@@ -106,10 +127,10 @@ def test_stage_bounds_refuse_more_stages_than_layers():
     from dflash.errors import BadInput
     from dflash.runtime.stages import stage_bounds
 
-    assert stage_bounds(4, 2) == [(0, 2), (2, 5)]
-    assert stage_bounds(33, 3) == [(0, 11), (11, 22), (22, 34)]
+    assert stage_bounds([1, 4], 2) == [(0, 2), (2, 5)]
+    assert stage_bounds([1, 9, 17, 25, 33], 3) == [(0, 11), (11, 22), (22, 34)]
     with pytest.raises(BadInput, match="target_stages=6: the target runs 5 layers"):
-        stage_bounds(4, 6)
+        stage_bounds([4, 2], 6)
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])

@@ -18,6 +18,7 @@ from torch import nn
 from dflash.compile import forwards_installed
 from dflash.errors import ConfigError
 from dflash.logs import get_logger
+from dflash.models.target import feature_depth
 
 log = get_logger(__name__)
 
@@ -155,9 +156,9 @@ def target_float8(target: nn.Module) -> tuple[int, int]:
     a dimension not divisible by 16). Install before `dflash.compile.compile_target_layers`, or after: the
     compiled layers trace whichever forward is installed when they run, and it is the same one every step."""
     layers = list(target.layers)
-    tapped = getattr(target, "layer_ids", None)
+    tapped = getattr(target, "layer_ids", None)  # a stage holds only the layers it runs
     if tapped:
-        layers = layers[: max(tapped) + 1]
+        layers = layers[: feature_depth(tapped)]
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)]
     swaps = [(m, frozen_float8_forward(m)) for m in linears if m.in_features % 16 == 0 and m.out_features % 16 == 0]
     eager_features = target.features

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,13 @@ class FastPathReport:
         return "; ".join(parts)
 
 
+def feature_depth(layer_ids: Iterable[int]) -> int:
+    """How many decoder layers the feature forward runs: 0 .. the deepest tapped one, the one "target up to
+    layer k" of dflash. `Target` stops its forward after them, a split target's stages share just them
+    (`dflash.runtime.stages.stage_bounds`), `target.float8` swaps just their linear layers."""
+    return max(layer_ids) + 1
+
+
 def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """(path, decoder layer list) of a causal LM, where its family keeps it (dflash.models.families)."""
     return family_of(model.config).decoder_layers(model)
@@ -80,7 +88,7 @@ class Target(nn.Module):
         self._handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
 
     def _hook(self, index: int):
-        deepest = index == self.layer_ids[-1]
+        deepest = index == feature_depth(self.layer_ids) - 1
 
         def hook(_module, _inputs, output):
             hidden = output[0] if isinstance(output, tuple) else output

@@ -22,17 +22,18 @@ import torch
 from torch import nn
 
 from dflash.errors import BadInput
-from dflash.models.families import family_of
-from dflash.models.target import FastPathReport, StopForward, fast_path_report, find_layers, text_config_of
+from dflash.models.families import family_of, text_config_of
+from dflash.models.target import FastPathReport, StopForward, fast_path_report, feature_depth, find_layers
 
 
-def stage_bounds(deepest_layer: int, stages: int) -> list[tuple[int, int]]:
-    """Split layers 0..deepest_layer into `stages` contiguous ranges [start, stop) of near-equal size (the
-    later stages take the remainder: stage 0 also runs the embedding)."""
-    n = deepest_layer + 1
+def stage_bounds(layer_ids: list[int], stages: int) -> list[tuple[int, int]]:
+    """Split the layers the feature forward runs (0 .. the deepest of `layer_ids`: `feature_depth`) into `stages`
+    contiguous ranges [start, stop) of near-equal size (the later stages take the remainder: stage 0 also runs
+    the embedding)."""
+    n = feature_depth(layer_ids)
     if not 1 <= stages <= n:
         raise BadInput(f"topology.target_stages={stages}: the target runs {n} layers (up to the deepest tapped "
-                       f"layer {deepest_layer}), so use 1..{n} stages")
+                       f"layer {n - 1}), so use 1..{n} stages")
     base, extra = divmod(n, stages)
     sizes = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
     bounds, start = [], 0

@@ -261,7 +261,7 @@ def run_target_rank(config: RunConfig, plan: RankPlan, rank: int, device: torch.
     if c.target.float8:  # before any model loads
         check_float8(device, "target.float8", torchao=False)
     inputs = build_run_inputs(c, None, layer_ids, need_data=stage == 0)
-    bounds = stage_bounds(max(layer_ids), stages)
+    bounds = stage_bounds(layer_ids, stages)
     start, stop_at = bounds[stage]
     # a split target is built on the CPU, then only this stage's layers move to the GPU; a random init is
     # thus the same as an unsplit target's on the CPU, and a checkpoint is read once per stage

@@ -10,17 +10,13 @@
 # when named). Exits 1 if any assertion failed.
 # Writes $OUT/topology.txt (one PASS/FAIL line per run with its reason, wall time, last metrics record) and
 # $OUT/topology-logs.txt (all logs). Run outputs (checkpoints) stay under $RUNS_DIR (default /tmp/gpu-topology).
-set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-out="${OUT:-/tmp/gpu-topology-out}"
-runs="${RUNS_DIR:-/tmp/gpu-topology}"
+. "$(dirname "$0")/../../bench/lib.sh" /tmp/gpu-topology-out /tmp/gpu-topology
 cfg="${1:-tests/distributed/configs/gpu-8b.yaml}"
 shift || true
 wanted="${*:-colocated-1 colocated-2 disaggregated-1t1d visible-1 swapped-1t1d}"
 per_run_limit="${PER_RUN_LIMIT_S:-240}"
 steps="${STEPS:-20}"
 failed=0
-mkdir -p "$out" "$runs"
 python3 -c 'import torch; print("torch", torch.__version__, "GPUs", torch.cuda.device_count())' | tee -a "$out/topology.txt"
 
 # every 0.5 s until $1 ends: "HOST_GPU:LOCAL_RANK" of each compute process (LOCAL_RANK from the process's
