@@ -36,6 +36,12 @@ options:
         (C(dmesg), where this host may read it), into C(dflash_gpu_faults) and C(dflash_gpu_lost).
     type: bool
     default: false
+  kernel_log:
+    description:
+      - With O(health), the kernel's log as the node read it (its C(NVRM: Xid) lines are enough), for a container that
+        may not read C(dmesg) (an unprivileged one); the Xids of this container's GPUs are found by bus id.
+      - Omitted, C(dmesg) is read here where it may be.
+    type: str
 attributes:
   check_mode:
     support: full
@@ -125,6 +131,7 @@ def main():
             "required": {"type": "bool", "default": True},
             "nvidia_smi": {"type": "path"},
             "health": {"type": "bool", "default": False},
+            "kernel_log": {"type": "str"},
         },
         supports_check_mode=True,
     )
@@ -146,7 +153,8 @@ def main():
         facts["dflash_gpu_error"] = str(exc)
         module.exit_json(changed=False, ansible_facts=facts, error_kind=exc.kind)
     if module.params["health"]:
-        faults, lost = gpu_faults(host, gpus, nvidia_smi=module.params["nvidia_smi"])
+        faults, lost = gpu_faults(host, gpus, nvidia_smi=module.params["nvidia_smi"],
+                                  kernel_log=module.params["kernel_log"])
         facts.update(dflash_gpu_faults={str(i): found for i, found in faults.items()}, dflash_gpu_lost=lost)
     facts.update(
         dflash_gpus=gpus,

@@ -97,6 +97,15 @@ def test_gpu_faults_maps_sections_to_indices_and_reads_the_kernel_log_where_it_m
     assert faults == {0: ["Xid 79 (fallen off the bus) in the kernel log since boot"]} and lost == []
 
 
+def test_the_nodes_kernel_log_is_used_where_it_was_read_there():
+    """An unprivileged container may not read dmesg: the gate hands in the node's Xid lines (roles/job/tasks/
+    gpu_gate.yml). What the node read stands, its Xids included; the container's own dmesg is not read then."""
+    gpus = [{"index": 0, "uuid": UUID}]
+    faults, _ = gpu_faults(Host(Q), gpus, kernel_log=XID_79)  # the container's dmesg refused
+    assert faults == {0: ["Xid 79 (fallen off the bus) in the kernel log since boot"]}
+    assert gpu_faults(Host(Q, dmesg=(0, XID_79, "")), gpus, kernel_log="") == ({}, [])  # the node: none since boot
+
+
 def test_health_fails_at_once_on_an_unfit_job_gpu(tmp_path):
     trainer = Trainer(tmp_path)
     trainer.start()
@@ -112,10 +121,11 @@ def test_health_fails_at_once_on_an_unfit_job_gpu(tmp_path):
     assert gpu["reason"].startswith("unfit GPU(s), the job cannot run on them: GPU 0: uncorrectable ECC errors")
 
 
-def test_the_role_refuses_the_launch_naming_the_gpu(tmp_path):
+def run_gate(tmp_path, q_text: str, extra_vars: dict | None = None) -> str:
+    """The job role's gpu_gate.yml on localhost with a stand-in nvidia-smi: the launch refusal's message."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (tmp_path / "q.txt").write_text(unhealthy())
+    bin_dir.mkdir(exist_ok=True)
+    (tmp_path / "q.txt").write_text(q_text)
     (tmp_path / "gpu.csv").write_text(GPU_CSV)
     smi = bin_dir / "nvidia-smi"
     smi.write_text(f"""#!/bin/sh
@@ -128,7 +138,8 @@ esac
 """)
     smi.chmod(0o755)
     tasks = [{"name": "Gate", "block": [
-        {"ansible.builtin.include_role": {"name": "job", "tasks_from": "gpu_gate.yml"}, "vars": {"_dflash_job_gpu_ids": [0]}}],
+        {"ansible.builtin.include_role": {"name": "job", "tasks_from": "gpu_gate.yml"},
+         "vars": {"_dflash_job_gpu_ids": [0], **(extra_vars or {})}}],
         "rescue": [{"ansible.builtin.copy": {"dest": str(tmp_path / "msg.txt"), "content": "{{ ansible_failed_result.msg }}",
                                              "mode": "0644"}}]}]  # fmt: skip
     (tmp_path / "play.yml").write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False, "tasks": tasks}]))
@@ -138,9 +149,24 @@ esac
                            str(tmp_path / "play.yml"), "-e", json.dumps({"ansible_python_interpreter": sys.executable})],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    msg = (tmp_path / "msg.txt").read_text()
+    return (tmp_path / "msg.txt").read_text()
+
+
+def test_the_role_refuses_the_launch_naming_the_gpu(tmp_path):
+    msg = run_gate(tmp_path, unhealthy())
     assert msg.startswith("The launch on localhost is refused: GPU 0: uncorrectable ECC errors"), msg
     assert "a row remap is pending" in msg and "Leave an unfit GPU out of dflash_job_target_gpu_ids" in msg
+
+
+def test_the_gate_reads_the_xids_on_the_node(tmp_path):
+    """The container (here: the module's run) may not read dmesg; the node (dflash_container_host, here the same
+    machine, told apart by the node read's LC_ALL=C) has a fatal Xid of GPU 0's bus: the launch is refused for it."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "dmesg").write_text(f"#!/bin/sh\n[ \"$LC_ALL\" = C ] || exit 1\nprintf '%s' '{XID_79.strip()}'\n")
+    (fake / "dmesg").chmod(0o755)
+    msg = run_gate(tmp_path, Q, {"dflash_container_host": "localhost"})
+    assert msg.startswith("The launch on localhost is refused: GPU 0: Xid 79 (fallen off the bus)"), msg
 
 
 def test_a_driver_upgrade_on_the_node_reads_driver_mismatch_with_the_fix(tmp_path):

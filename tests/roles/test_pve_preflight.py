@@ -4,12 +4,17 @@ naming the thing and its fix; a first run's sources and node pass."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+
+import pytest
 
 from .conftest import ROOT
 
@@ -108,3 +113,51 @@ def test_the_provision_runs_the_preflight_before_the_node_role_and_the_container
     assert preflight < node
     include = plays[preflight]["tasks"][0]["ansible.builtin.include_role"]
     assert include["name"] == "container" and include["tasks_from"] == "preflight.yml"
+
+
+@pytest.fixture
+def torch_index(tmp_path):
+    """A PEP 503 torch page as a CUDA build's index serves it (torch 2.9.1 and 2.10.0 only), over local HTTP."""
+    root = tmp_path / "index"
+    (root / "whl" / "cu128" / "torch").mkdir(parents=True)
+    (root / "whl" / "cu128" / "torch" / "index.html").write_text("".join(
+        f'<a href="/whl/cu128/torch-{v}%2Bcu128-cp311-cp311-manylinux_2_28_x86_64.whl#sha256=00">'
+        f"torch-{v}+cu128-cp311-cp311-manylinux_2_28_x86_64.whl</a><br/>\n" for v in ("2.9.1", "2.10.0")))
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/whl/cu128"
+    server.shutdown()
+
+
+def test_a_torch_version_the_index_lacks_is_refused_at_first_contact(tmp_path, torch_index):
+    env = node(tmp_path)
+    (tmp_path / "version").write_text("570.124.06\n")
+    common = {"gpus": True, "driver_version_file": str(tmp_path / "version"), "torch_index_url": torch_index,
+              "torch_find_links": ["/opt/wheels"]}
+    got = check(tmp_path, env, creating=True, torch_version="2.13.0", **common)
+    assert got["problems"] == [
+        f"torch 2.13.0 (dflash_venv_torch_version) is not on the torch index {torch_index} (its newest: 2.9.1, "
+        "2.10.0) nor in dflash_venv_find_links: set dflash_venv_torch_version to one it has, or "
+        "dflash_venv_torch_index_url to an index that has it, or put its wheel in a find-links directory"]
+    assert check(tmp_path, env, creating=True, torch_version="2.10.0", **common)["problems"] == []
+    # A later run leaves it to the venv role; an index the node cannot read is left to pip.
+    assert check(tmp_path, env, creating=False, torch_version="2.13.0", **common)["problems"] == []
+    unreachable = {**common, "torch_index_url": "http://127.0.0.1:9/whl/cu128"}
+    assert check(tmp_path, env, creating=True, torch_version="2.13.0", **unreachable)["problems"] == []
+
+
+def test_a_torch_wheel_in_a_mounted_wheelhouse_passes(tmp_path, torch_index):
+    env = node(tmp_path)
+    (tmp_path / "version").write_text("570.124.06\n")
+    wheels = tmp_path / "wheelhouse" / "cu128"
+    wheels.mkdir(parents=True)
+    (wheels / "torch-2.13.0+cu128-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    got = check(tmp_path, env, creating=True, torch_version="2.13.0", gpus=True, torch_index_url=torch_index,
+                driver_version_file=str(tmp_path / "version"), torch_find_links=["/opt/wheels/cu128"],
+                mounts=[{"src": str(tmp_path / "wheelhouse"), "dest": "/opt/wheels", "readonly": False}])  # fmt: skip
+    assert got["problems"] == []
