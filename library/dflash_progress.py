@@ -38,13 +38,8 @@ options:
     description: Seconds after which the module ends itself (SIGALRM).
     type: int
     default: 20
-attributes:
-  check_mode:
-    support: full
-    description: Reads the same in check mode; it never changes anything.
-  diff_mode:
-    support: none
-    description: No diff.
+extends_documentation_fragment:
+  - dflash.read_only
 """
 
 EXAMPLES = r"""
