@@ -334,16 +334,10 @@ def _size(limit):
     return f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"
 
 
-def _open_checked(path, follow=False):
-    """``(fd, None)``; ``(None, None)`` when ``path`` is missing; ``(None, reason)`` when root does not read it."""
-    try:
-        return open_nofollow(path, follow=follow), None
-    except (FileNotFoundError, NotADirectoryError):
-        return None, None
-    except UnsafeFile as exc:
-        return None, exc.reason
-    except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+def unread(exc):
+    """Why root did not read a file, completing a sentence that starts with its path: an ``UnsafeFile``'s reason,
+    else "cannot be read (STRERROR)"."""
+    return exc.reason if isinstance(exc, UnsafeFile) else f"cannot be read ({exc.strerror})"
 
 
 def read_text_checked(path, limit=READ_LIMIT, follow=False):
@@ -352,18 +346,19 @@ def read_text_checked(path, limit=READ_LIMIT, follow=False):
     ``reason`` completes a sentence that starts with the path ("is not a regular file (fifo)", "is a
     symbolic link (to /dev/zero), which root does not follow", "is larger than 1 MiB, more than root reads").
     See ``open_nofollow``: never blocks, never follows a link another account made, reads at most ``limit``."""
-    fd, reason = _open_checked(path, follow=follow)
-    if fd is None:
-        return None, reason
+    try:
+        fd = open_nofollow(path, follow=follow)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except OSError as exc:  # UnsafeFile among them
+        return None, unread(exc)
     try:
         data = _read_fd(fd, limit)
     except (FileNotFoundError, ProcessLookupError):
         # ProcessLookupError: a /proc/PID file opened just before PID exited fails on read (ESRCH)
         return None, None
-    except UnsafeFile as exc:
-        return None, exc.reason
     except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+        return None, unread(exc)
     finally:
         os.close(fd)
     return data.decode("utf-8", errors="replace"), None
@@ -454,10 +449,8 @@ def tail_lines_checked(path, count, max_bytes=TAIL_BYTES):
     ``read_lines``' tail with the line being written: a diagnosis shows the log as it is now."""
     try:
         result = read_lines(path, -1, count, max_bytes, partial=True)
-    except UnsafeFile as exc:
-        return None, exc.reason
-    except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+    except OSError as exc:  # UnsafeFile among them
+        return None, unread(exc)
     return (result["lines"] if result["exists"] else None), None
 
 
