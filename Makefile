@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml requirements/packaged-data.txt
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins playbooks/action_plugins playbooks/strategy_plugins
+	$(VENV)/bin/ruff check dflash tests bench library module_utils connection_plugins doc_fragments playbooks/action_plugins playbooks/strategy_plugins
 
 pytest: $(STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=25

@@ -13,7 +13,7 @@ from setuptools.command.build_py import build_py
 
 # What dflash.ops.runner.project_dir() needs, in the repository's own layout.
 PROJECT_TREE = ("ansible.cfg", "pyproject.toml", "playbooks", "roles", "library", "module_utils", "connection_plugins",
-                "inventories", "configs")
+                "doc_fragments", "inventories", "configs")
 
 
 class BuildPyWithProject(build_py):

@@ -12,9 +12,8 @@
 # prefixes the run names and is recorded in each line, so one call can sweep several settings
 # (EXTRA_OVERRIDES: more `dflash train` overrides, e.g. the data).
 . "$(dirname "$0")/lib.sh" /tmp/e2e-sweep-out /dev/shm/e2e-sweep
-cfg="${1:-tests/distributed/configs/gpu-8b.yaml}"
-shift || true
-budgets="${*:-6144 12288 24576}"
+config_and_list tests/distributed/configs/gpu-8b.yaml "6144 12288 24576" "$@"
+budgets=$list
 limit="${PER_RUN_LIMIT_S:-170}"
 label="${LABEL:-}"
 for budget in $budgets; do

@@ -13,9 +13,8 @@
 # first, i.e. compilation excluded), peak memory, and the seconds from the target being loaded ("target:"
 # line) to the first step line (the restart figure).
 . "$(dirname "$0")/lib.sh" /tmp/e2e-compile-out /dev/shm/e2e-compile
-cfg="${1:-tests/distributed/configs/gpu-8b.yaml}"
-shift || true
-which="${*:-eager drafter compiled restart}"
+config_and_list tests/distributed/configs/gpu-8b.yaml "eager drafter compiled restart" "$@"
+which=$list
 steps="${STEPS:-20}"
 limit="${PER_RUN_LIMIT_S:-240}"
 common=(topology.nproc=1 logging.interval=1 eval.speculative_prompts=0 checkpoint.interval="$steps"

@@ -9,3 +9,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-$1}"
 runs="${RUNS_DIR:-$2}"
 mkdir -p "$out" "$runs"
+# config_and_list CONFIG_DEFAULT LIST_DEFAULT "$@": $cfg, the script's first argument (else CONFIG_DEFAULT), and
+# $list, the others as one string of words (else LIST_DEFAULT).
+config_and_list() {
+  local config_default=$1 list_default=$2
+  shift 2
+  cfg="${1:-$config_default}"
+  shift || true
+  list="${*:-$list_default}"
+}

@@ -84,12 +84,16 @@ def raise_if_full(exc: BaseException, path: str | os.PathLike) -> None:
 
 
 @contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "w", durable: bool = True) -> Iterator[IO]:
-    """Write `path` whole or not at all: into a hidden temp sibling, fsynced (unless not `durable`: a cache that
-    is rebuilt if lost) and renamed over `path` when the block ends; on any error the temp file is removed and an
-    out-of-space error becomes DiskFull."""
+def atomic_file(path: str | os.PathLike, mode: str = "w", durable: bool = True, sync_dir: bool = False,
+                tmp: str | os.PathLike | None = None, disk_full: bool = True) -> Iterator[IO]:
+    """The one atomic writer of the package: `path` holds the old content or all of the new, never a part.
+
+    The block writes into a temp file beside `path` (`tmp`, else temp_sibling(path)), which is fsynced (unless
+    not `durable`: a cache that is rebuilt if lost) and renamed over `path` when the block ends; `sync_dir` then
+    fsyncs the directory too (the rename itself survives a crash). On any error the temp file is removed and an
+    out-of-space error becomes DiskFull (unless not `disk_full`: the caller handles ENOSPC itself)."""
     path = Path(path)
-    tmp = temp_sibling(path)
+    tmp = temp_sibling(path) if tmp is None else Path(tmp)
     try:
         with open(tmp, mode) as fh:
             yield fh
@@ -99,8 +103,11 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", durable: bool = True) 
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        raise_if_full(exc, path)
+        if disk_full:
+            raise_if_full(exc, path)
         raise
+    if sync_dir:
+        fsync_path(path.parent)
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

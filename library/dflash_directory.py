@@ -78,7 +78,13 @@ import pwd
 import stat
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.dflash_host import UnsafeFile, file_kind, open_directory_nofollow, printable
+from ansible.module_utils.dflash_host import (
+    UnsafeFile,
+    file_kind,
+    open_directory_nofollow,
+    printable,
+    write_atomic,
+)
 
 PROBE = ".shared-storage-probe"
 PROBE_LIMIT = 4096  # a deploy's token: read no more of it
@@ -107,15 +113,8 @@ def _read_probe(dir_fd):
 
 
 def _write_probe(dir_fd, content):
-    tmp = f"{PROBE}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-    try:
-        os.write(fd, content.encode())
-        os.fsync(fd)
-        os.fchmod(fd, 0o644)
-    finally:
-        os.close(fd)
-    os.rename(tmp, PROBE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a link at the name, never follows it
+    # in the directory's fd: a link at the temp name or at PROBE is replaced, never followed
+    write_atomic(PROBE, content, 0o644, tmp_name=f"{PROBE}.{os.getpid()}.tmp", dir_fd=dir_fd)
 
 
 def main():

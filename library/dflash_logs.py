@@ -32,13 +32,8 @@ options:
     description: At most this many bytes per read; a follow catches up over several reads.
     type: int
     default: 1048576
-attributes:
-  check_mode:
-    support: full
-    description: Reads the same in check mode; it never changes anything.
-  diff_mode:
-    support: none
-    description: No diff.
+extends_documentation_fragment:
+  - dflash.read_only
 """
 
 EXAMPLES = r"""

@@ -38,13 +38,8 @@ options:
     description: Seconds after which the module ends itself (SIGALRM).
     type: int
     default: 20
-attributes:
-  check_mode:
-    support: full
-    description: Reads the same in check mode; it never changes anything.
-  diff_mode:
-    support: none
-    description: No diff.
+extends_documentation_fragment:
+  - dflash.read_only
 """
 
 EXAMPLES = r"""
@@ -81,7 +76,7 @@ import re
 import signal
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.dflash_host import UnsafeFile
+from ansible.module_utils.dflash_host import unread
 from ansible.module_utils.dflash_untrusted import newest_line, read_heartbeat
 
 ARGUMENT_SPEC = {
@@ -106,10 +101,8 @@ def main():
     if p["log"]:
         try:
             result["size"], result["line"] = newest_line(p["log"], p["pattern"], max(1, p["tail_bytes"]))
-        except UnsafeFile as exc:
-            result["log_error"] = exc.reason
-        except OSError as exc:
-            result["log_error"] = f"cannot be read ({exc.strerror})"
+        except OSError as exc:  # UnsafeFile among them
+            result["log_error"] = unread(exc)
     if p["heartbeat"]:
         beat, result["heartbeat_error"] = read_heartbeat(p["heartbeat"])
         if beat is not None:

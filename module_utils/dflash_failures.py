@@ -6,7 +6,8 @@ checks they are equal) and the restart policy per class of the unit (both backen
 
 from __future__ import annotations
 
-# class -> exit code. 0 is success; 128+N (a signal, shell-style) is `signal`.
+# A copy on purpose of dflash/runtime/failures.py's table (module_utils cannot import dflash): tests/test_failure_classes.py
+# checks the two are equal. class -> exit code. 0 is success; 128+N (a signal, shell-style) is `signal`.
 EXIT_CODES = {
     "unknown": 1,
     "bad_input": 2,

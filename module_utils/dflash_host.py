@@ -15,8 +15,8 @@ import os
 import shutil
 import stat
 import subprocess
-import tempfile
 import time
+import uuid
 
 
 class LocalHost:
@@ -43,22 +43,9 @@ class LocalHost:
         return None
 
     def atomic_write(self, path, data, mode=0o644):
-        """Write ``data`` (str or bytes) to ``path`` through a temp file in the same directory."""
-        directory = os.path.dirname(path) or "."
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".dflash-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data.encode() if isinstance(data, str) else data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, mode)
-            self._replace(tmp, path, mode)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        fsync_dir(directory)
+        """Write ``data`` (str or bytes) to ``path`` through a temp file in the same directory (``write_atomic``)."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        write_atomic(path, data, mode, replace=lambda tmp, dest: self._replace(tmp, dest, mode))
 
     def _replace(self, src, dest, mode):
         os.replace(src, dest)
@@ -127,6 +114,59 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def write_atomic(path, data, mode=0o644, tmp_name=None, dir_fd=None, replace=None, sync_dir=True):
+    """The one atomic writer of the module_utils and modules: ``path`` holds the old content or all of ``data``
+    (str, written as UTF-8, or bytes), never a part.
+
+    ``data`` goes into a new temp file beside ``path`` (``tmp_name``, a stale one of that name removed first, else
+    ``.dflash-`` and random letters), created with ``O_EXCL | O_NOFOLLOW`` (a link planted at the name is never
+    followed) and mode 0600, set to ``mode`` with ``fchmod`` before anything is written (so it never had a wider
+    one; ``None``: no chmod at all, the file keeps 0666 less the umask, for pmxcfs, which refuses one), fsynced,
+    renamed over ``path`` (a link there is replaced, never followed; ``replace(tmp, path)`` when given, e.g.
+    Ansible's atomic_move) and its directory fsynced unless not ``sync_dir``. ``dir_fd``: ``path`` and ``tmp_name``
+    are names in that directory (an fd of ``open_directory_nofollow``). On any error the temp file is removed."""
+    directory = os.path.dirname(path) or "."
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    tmp = None
+    for _ in range(100):
+        tmp = tmp_name or os.path.join(directory, ".dflash-" + uuid.uuid4().hex[:8])
+        if tmp_name:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+        try:
+            fd = os.open(tmp, flags, 0o600 if mode is not None else 0o666, dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            if tmp_name:
+                raise
+    else:  # pragma: no cover - 100 names taken
+        raise FileExistsError(errno.EEXIST, "no free temp name", directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if mode is not None:
+                os.fchmod(handle.fileno(), mode)
+            handle.write(data.encode() if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if replace is not None:
+            replace(tmp, path)
+        else:
+            os.rename(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
+    if sync_dir:
+        if dir_fd is None:
+            fsync_dir(directory)
+        else:
+            os.fsync(dir_fd)
+
+
 # Root reads files that the trainer account can write (heartbeat.json, node files, checkpoints/latest, the
 # log): at most this much, so a huge or endless file cannot eat the module's memory.
 READ_LIMIT = 1 << 20
@@ -157,11 +197,77 @@ def _fail(where, path, reason, final=True):
     raise UnsafeFile(f"is under {where}, {reason.removeprefix('is ')}")
 
 
+def walk_nofollow(parts, walk, refuse, follow_last=False, open_last=False, create=False):
+    """The one symlink-safe walk of root's paths (``open_nofollow``, ``open_directory_nofollow``): ``parts``, the
+    components of an absolute path, resolved one at a time with ``openat`` and ``O_NOFOLLOW``, each directory
+    opened (``walk``, its flags) under the fd of the one before. A symbolic link is followed only when root owns it
+    (the system's own links, an operator's mount link), at most MAX_LINKS of them; the last component only when
+    ``follow_last``. ``create``: a missing component is made (root's, 0755) with ``mkdirat`` under its parent's fd.
+
+    What root refuses goes to ``refuse(where, event, value)``, which raises (``UnsafeFile``) or returns to let the
+    walk go on: ``"link"`` (a link owned by uid ``value``), ``"loop"`` (more than MAX_LINKS links), ``"kind"`` (a
+    component on the way that is not a directory, of mode ``value``: returning lets its open fail), ``"changed"``
+    (that open failed with errno ``value``, ELOOP or ENOTDIR: replaced since the stat; returning re-raises).
+
+    Returns ``(fd, name, where, st, created)``: with ``open_last`` the fd of the last component (a directory)
+    and name None; else the fd of the directory that holds ``name``, the last component, of lstat ``st``. ``where``
+    is its path as resolved. The fd is the caller's to close."""
+    parts = list(parts)
+    dir_fd = os.open("/", walk)
+    links, done, created = 0, "", False
+    name = st = None
+    try:
+        while parts:
+            name = parts.pop(0)
+            where = (done.rstrip("/") + "/" + name) if name != ".." else (os.path.dirname(done) or "/")
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(name, 0o755, dir_fd=dir_fd)
+                    created = True
+                except FileExistsError:  # made since the stat by another process (another node, shared storage):
+                    pass  # inspected below as any existing component, a link of another account refused
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode) and (parts or follow_last):
+                if st.st_uid != 0:
+                    refuse(where, "link", st.st_uid)
+                links += 1
+                if links > MAX_LINKS:
+                    refuse(where, "loop", links)
+                target = os.readlink(name, dir_fd=dir_fd)
+                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+                if target.startswith("/"):
+                    os.close(dir_fd)
+                    dir_fd, done = os.open("/", walk), ""
+                continue
+            if not parts and not open_last:
+                result, dir_fd = (dir_fd, name, where, st, created), -1
+                return result
+            if not stat.S_ISDIR(st.st_mode):
+                refuse(where, "kind", st.st_mode)
+            try:
+                next_fd = os.open(name, walk, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    refuse(where, "changed", exc.errno)
+                raise
+            os.close(dir_fd)
+            dir_fd, done = next_fd, where
+        result, dir_fd = (dir_fd, None, done or "/", st, created), -1
+        return result
+    finally:
+        if dir_fd >= 0:
+            os.close(dir_fd)
+
+
 def open_nofollow(path, follow=False):
     """A read-only fd of the regular file ``path``, opened without following a link root did not make.
 
-    The path is resolved one component at a time (``openat`` with ``O_NOFOLLOW``): a symbolic link is
-    followed only when root owns it (the system's own links, an operator's mount link); a link owned by any
+    The path is resolved one component at a time (``walk_nofollow``: ``openat`` with ``O_NOFOLLOW``): a symbolic
+    link is followed only when root owns it (the system's own links, an operator's mount link); a link owned by any
     other account (the trainer replacing its run directory, or a file in it) raises ``UnsafeFile``. The
     last component is never a link unless ``follow`` (root's own paths, such as an operator's environment
     file, may be links to root's files). It is opened with ``O_NONBLOCK`` (a FIFO never blocks the open)
@@ -174,52 +280,38 @@ def open_nofollow(path, follow=False):
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if not path.startswith("/"):
         parts = [p for p in os.getcwd().split("/") if p] + parts
-    dir_fd = os.open("/", walk)
-    links = 0
-    done = ""
-    try:
-        while parts:
-            name = parts.pop(0)
-            where = (done.rstrip("/") + "/" + name) if name != ".." else (os.path.dirname(done) or "/")
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode) and (parts or follow):
-                if st.st_uid != 0:
-                    _fail(where, path, f"a symbolic link owned by uid {st.st_uid}, which root does not follow", final=False)
-                links += 1
-                if links > MAX_LINKS:
-                    _fail(where, path, "a symbolic link of too many levels of links", final=False)
-                target = os.readlink(name, dir_fd=dir_fd)
-                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
-                if target.startswith("/"):
-                    os.close(dir_fd)
-                    dir_fd, done = os.open("/", walk), ""
-                continue
-            if not parts:
-                if stat.S_ISLNK(st.st_mode):
-                    _fail(where, path, f"is a symbolic link (to {os.readlink(name, dir_fd=dir_fd)}), which root does not follow")
-                try:
-                    fd = os.open(name, flags, dir_fd=dir_fd)
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:  # replaced by a link since the stat
-                        _fail(where, path, "is a symbolic link, which root does not follow")
-                    raise
-                opened = os.fstat(fd)
-                if not stat.S_ISREG(opened.st_mode):
-                    os.close(fd)
-                    _fail(where, path, f"is not a regular file ({file_kind(opened.st_mode)})")
-                if opened.st_nlink > 1:  # another name of the same file: perhaps a root-only one elsewhere
-                    os.close(fd)
-                    _fail(where, path, f"has {opened.st_nlink} hard links, which root does not read")
-                return fd
-            try:
-                next_fd = os.open(name, walk, dir_fd=dir_fd)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:  # replaced by a link since the stat
-                    _fail(where, path, "a symbolic link, which root does not follow", final=False)
-                raise
-            os.close(dir_fd)
-            dir_fd, done = next_fd, where
+    if not parts:
         raise UnsafeFile("is not a regular file (directory)")
+
+    def refuse(where, event, value):
+        if event == "link":
+            _fail(where, path, f"a symbolic link owned by uid {value}, which root does not follow", final=False)
+        if event == "loop":
+            _fail(where, path, "a symbolic link of too many levels of links", final=False)
+        if event == "changed" and value == errno.ELOOP:  # replaced by a link since the stat
+            _fail(where, path, "a symbolic link, which root does not follow", final=False)
+        # "kind", or ENOTDIR: the open raises NotADirectoryError (missing)
+
+    dir_fd, name, where, st, _ = walk_nofollow(parts, walk, refuse, follow_last=follow)
+    try:
+        if name is None:  # a link of root's led to a directory
+            raise UnsafeFile("is not a regular file (directory)")
+        if stat.S_ISLNK(st.st_mode):
+            _fail(where, path, f"is a symbolic link (to {os.readlink(name, dir_fd=dir_fd)}), which root does not follow")
+        try:
+            fd = os.open(name, flags, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # replaced by a link since the stat
+                _fail(where, path, "is a symbolic link, which root does not follow")
+            raise
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            os.close(fd)
+            _fail(where, path, f"is not a regular file ({file_kind(opened.st_mode)})")
+        if opened.st_nlink > 1:  # another name of the same file: perhaps a root-only one elsewhere
+            os.close(fd)
+            _fail(where, path, f"has {opened.st_nlink} hard links, which root does not read")
+        return fd
     finally:
         os.close(dir_fd)
 
@@ -242,16 +334,10 @@ def _size(limit):
     return f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"
 
 
-def _open_checked(path, follow=False):
-    """``(fd, None)``; ``(None, None)`` when ``path`` is missing; ``(None, reason)`` when root does not read it."""
-    try:
-        return open_nofollow(path, follow=follow), None
-    except (FileNotFoundError, NotADirectoryError):
-        return None, None
-    except UnsafeFile as exc:
-        return None, exc.reason
-    except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+def unread(exc):
+    """Why root did not read a file, completing a sentence that starts with its path: an ``UnsafeFile``'s reason,
+    else "cannot be read (STRERROR)"."""
+    return exc.reason if isinstance(exc, UnsafeFile) else f"cannot be read ({exc.strerror})"
 
 
 def read_text_checked(path, limit=READ_LIMIT, follow=False):
@@ -260,18 +346,19 @@ def read_text_checked(path, limit=READ_LIMIT, follow=False):
     ``reason`` completes a sentence that starts with the path ("is not a regular file (fifo)", "is a
     symbolic link (to /dev/zero), which root does not follow", "is larger than 1 MiB, more than root reads").
     See ``open_nofollow``: never blocks, never follows a link another account made, reads at most ``limit``."""
-    fd, reason = _open_checked(path, follow=follow)
-    if fd is None:
-        return None, reason
+    try:
+        fd = open_nofollow(path, follow=follow)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    except OSError as exc:  # UnsafeFile among them
+        return None, unread(exc)
     try:
         data = _read_fd(fd, limit)
     except (FileNotFoundError, ProcessLookupError):
         # ProcessLookupError: a /proc/PID file opened just before PID exited fails on read (ESRCH)
         return None, None
-    except UnsafeFile as exc:
-        return None, exc.reason
     except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+        return None, unread(exc)
     finally:
         os.close(fd)
     return data.decode("utf-8", errors="replace"), None
@@ -362,10 +449,8 @@ def tail_lines_checked(path, count, max_bytes=TAIL_BYTES):
     ``read_lines``' tail with the line being written: a diagnosis shows the log as it is now."""
     try:
         result = read_lines(path, -1, count, max_bytes, partial=True)
-    except UnsafeFile as exc:
-        return None, exc.reason
-    except OSError as exc:
-        return None, f"cannot be read ({exc.strerror})"
+    except OSError as exc:  # UnsafeFile among them
+        return None, unread(exc)
     return (result["lines"] if result["exists"] else None), None
 
 
@@ -384,53 +469,21 @@ def _who(uid):
 
 
 def open_directory_nofollow(path, create=False):
-    """An ``O_DIRECTORY`` fd of ``path``, resolved as ``open_nofollow`` does: a link another account made (the
-    trainer replacing its run directory, or a parent it owns) raises ``UnsafeFile``; root's own links are
-    followed. ``create``: missing components are made (root's, 0755) with ``mkdirat`` under the fd of their
-    parent, never through a link. Returns ``(fd, created)``."""
+    """An ``O_DIRECTORY`` fd of ``path``, resolved as ``open_nofollow`` does (``walk_nofollow``): a link another
+    account made (the trainer replacing its run directory, or a parent it owns) raises ``UnsafeFile``; root's own
+    links are followed. ``create``: missing components are made (root's, 0755) with ``mkdirat`` under the fd of
+    their parent, never through a link. Returns ``(fd, created)``."""
     walk = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    parts = [p for p in os.path.abspath(path).split("/") if p]
-    dir_fd = os.open("/", walk)
-    links, done, created = 0, "", False
-    try:
-        while parts:
-            name = parts.pop(0)
-            where = done.rstrip("/") + "/" + name
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                try:
-                    os.mkdir(name, 0o755, dir_fd=dir_fd)
-                    created = True
-                except FileExistsError:  # made since the stat by another process (another node, shared storage):
-                    pass  # inspected below as any existing component, a link of another account refused
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                if st.st_uid != 0:
-                    raise UnsafeFile(f"{where} is a symbolic link owned by {_who(st.st_uid)}, which root does not follow")
-                links += 1
-                if links > MAX_LINKS:
-                    raise UnsafeFile(f"{where}: too many levels of symbolic links")
-                target = os.readlink(name, dir_fd=dir_fd)
-                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
-                if target.startswith("/"):
-                    os.close(dir_fd)
-                    dir_fd, done = os.open("/", walk), ""
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                raise UnsafeFile(f"{where} is not a directory ({file_kind(st.st_mode)})")
-            try:
-                next_fd = os.open(name, walk, dir_fd=dir_fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # replaced since the stat
-                    raise UnsafeFile(f"{where} changed while root resolved it (now a link or not a directory)") from None
-                raise
-            os.close(dir_fd)
-            dir_fd, done = next_fd, where
-        result, dir_fd = dir_fd, -1
-        return result, created
-    finally:
-        if dir_fd >= 0:
-            os.close(dir_fd)
+
+    def refuse(where, event, value):
+        if event == "link":
+            raise UnsafeFile(f"{where} is a symbolic link owned by {_who(value)}, which root does not follow")
+        if event == "loop":
+            raise UnsafeFile(f"{where}: too many levels of symbolic links")
+        if event == "kind":
+            raise UnsafeFile(f"{where} is not a directory ({file_kind(value)})")
+        raise UnsafeFile(f"{where} changed while root resolved it (now a link or not a directory)") from None
+
+    fd, _name, _where, _st, created = walk_nofollow([p for p in os.path.abspath(path).split("/") if p], walk, refuse,
+                                                    follow_last=True, open_last=True, create=create)
+    return fd, created

@@ -19,6 +19,8 @@ import stat
 import time
 from contextlib import contextmanager
 
+from ansible.module_utils.dflash_host import write_atomic
+
 # pve-container's PVE::LXC::Config->lock_config: an exclusive flock on this file, 10 s by default.
 LOCK_DIR = "/run/lock/lxc"
 
@@ -85,19 +87,10 @@ def merge_raw_lines(text: str, lines: list[str], owned: list[str]) -> str:
 def write_content(path: str, content: str) -> None:
     """Replace `path` with `content` the way pmxcfs allows: a temp file beside it, renamed.
 
-    Never chmod/chown (pmxcfs answers EPERM); the file system gives the new file its mode.
+    Never chmod/chown (pmxcfs answers EPERM); the file system gives the new file its mode. The temp name is
+    PVE's own (``VMID.conf.tmp.PID``); no directory fsync (pmxcfs commits the rename itself).
     """
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, content, mode=None, tmp_name=f"{path}.tmp.{os.getpid()}", sync_dir=False)
 
 
 def vmid_of(path: str) -> str:

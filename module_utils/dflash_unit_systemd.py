@@ -13,11 +13,10 @@ that this boot launched the job; a job meant to run, not running and without the
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 from ansible.module_utils.dflash_failures import EXIT_CODES, SIGNAL, codes_with
-from ansible.module_utils.dflash_host import read_text
+from ansible.module_utils.dflash_host import read_text, write_atomic
 from ansible.module_utils.dflash_unit_records import (
     HOOK_HOLD_FILE,
     RUNNING,
@@ -365,21 +364,9 @@ def hook_unit_text(spec):
 
 def write_file(path, text, mode):
     """Replace ``path`` atomically by a file of ``mode`` that never had a wider one (the hook unit holds the hook's
-    arguments: root's alone, systemd reads it as root)."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".dflash-", dir=directory)  # created 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            os.fchmod(handle.fileno(), mode)
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    arguments: root's alone, systemd reads it as root): ``write_atomic``, not the host's atomic_move."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, text, mode)
 
 
 def wait_until(host, probe, done, timeout, interval=0.5):

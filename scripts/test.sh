@@ -82,7 +82,7 @@ cpu_sample
 sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
 
-[[ "$ONLY" == all ]] && phase lint ruff check dflash tests bench library module_utils connection_plugins playbooks/action_plugins playbooks/strategy_plugins > "$LOGS/lint.log" 2>&1
+[[ "$ONLY" == all ]] && phase lint ruff check dflash tests bench library module_utils connection_plugins doc_fragments playbooks/action_plugins playbooks/strategy_plugins > "$LOGS/lint.log" 2>&1
 [[ -f "$LOGS/lint.log" ]] && cat "$LOGS/lint.log"
 
 # -n 2: one worker per core; tests that spawn several processes are grouped (xdist_group) per worker.

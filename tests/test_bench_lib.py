@@ -60,3 +60,21 @@ def test_preamble_takes_out_and_runs_dir_from_the_environment(tmp_path):
     assert (out, runs, argc) == (str(tmp_path / "o"), str(tmp_path / "r"), "0")
     assert Path(out).is_dir() and Path(runs).is_dir()
     assert pythonpath == f"{tmp_path}:/elsewhere"
+
+
+def test_config_and_list_takes_the_first_argument_and_the_rest_or_the_defaults(tmp_path):
+    script = tmp_path / "args.sh"
+    script.write_text(f'. "{ROOT}/bench/lib.sh" "$PWD/out" "$PWD/runs"\n'
+                      'config_and_list default.yaml "a b" "$@"\necho "$cfg|$list|$#"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RUNS_DIR")}
+
+    def run(*args: str) -> str:
+        done = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run() == "default.yaml|a b|0"
+    assert run("x.yaml") == "x.yaml|a b|1"
+    assert run("x.yaml", "c", "d e") == "x.yaml|c d e|3"
+    assert run("") == "default.yaml|a b|1"

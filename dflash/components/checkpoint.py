@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from dflash.errors import BadInput, DiskFull
+from dflash.fileio import atomic_file, out_of_space
 from dflash.fileio import fsync_path as _fsync_path
-from dflash.fileio import out_of_space
 from dflash.fileio import sha256_file as _sha256
 from dflash.logs import get_logger
 from dflash.models.drafter import Drafter, check_resumable
@@ -192,11 +192,9 @@ class CheckpointManager:
 
     def _write_pointer(self, name: str, tmp_prefix: str, text: str) -> None:
         """Temp file, fsync, rename over `name`, fsync the directory: a reader sees the old or the new text."""
-        tmp = self.dir / f"{tmp_prefix}{os.getpid()}"
-        tmp.write_text(text)
-        _fsync_path(tmp)
-        os.replace(tmp, self.dir / name)
-        _fsync_path(self.dir)
+        with atomic_file(self.dir / name, sync_dir=True, tmp=self.dir / f"{tmp_prefix}{os.getpid()}",
+                         disk_full=False) as fh:
+            fh.write(text)
 
     def _prune(self) -> None:
         """Keep the newest keep_last checkpoints, and the best one whatever its age."""

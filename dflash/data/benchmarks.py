@@ -9,11 +9,10 @@ data set itself (the package's licence is recorded beside it). `packaged_rows(na
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from dflash.data.jsonl import iter_json_lines
 from dflash.errors import BadInput
 from dflash.packaged import DataPackage, package
 
@@ -52,12 +51,6 @@ PACKAGED_SUITES: dict[str, PackagedSuite] = {s.name: s for s in (
 )}
 
 
-def _lines(path) -> list[str]:
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        return fh.read().splitlines()
-
-
 def packaged_rows(name: str) -> list[dict[str, Any]]:
     """Every row of a packaged suite, in the file's order, each original row once."""
     suite = PACKAGED_SUITES.get(name)
@@ -66,18 +59,12 @@ def packaged_rows(name: str) -> list[dict[str, Any]]:
     path = suite.distribution.file(suite.path)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for number, line in enumerate(_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"{path}:{number}: not JSON ({exc.msg}); reinstall {suite.package}=="
-                           f"{suite.distribution.version}") from None
+    fix = f"reinstall {suite.package}=={suite.distribution.version}"
+    for _, where, row in iter_json_lines(path, fix, fix, BadInput):
         if suite.under_doc:
             row = row.get("doc") if isinstance(row, dict) else None
         if not isinstance(row, dict):
-            raise BadInput(f"{path}:{number}: not a row object; reinstall {suite.package}=={suite.distribution.version}")
+            raise BadInput(f"{where}: not a row object; {fix}")
         key = str(row.get(suite.id_field)) if suite.id_field and row.get(suite.id_field) is not None else None
         if key is not None:
             if key in seen:

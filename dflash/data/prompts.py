@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dflash.data.chat import iter_json_lines, normalize_messages
+from dflash.data.chat import normalize_messages
+from dflash.data.jsonl import iter_json_lines
 from dflash.errors import BadInput, DataError
 
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")

@@ -208,6 +208,8 @@ def dflash2_of_hf_config(dcfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# hf_remote/modeling_dflash.py has a copy (DFlashRMSNorm: that file is self-contained for trust_remote_code);
+# tests/test_loading.py checks that the exported drafter computes what this one does.
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash.data import prompts
 from dflash.errors import BadInput
-from dflash.fileio import atomic_file, fsync_path, sha256_file  # noqa: F401 - sha256_file re-exported
+from dflash.fileio import atomic_file, sha256_file  # noqa: F401 - sha256_file re-exported
 from dflash.regenerate.core import conversation_problem
 
 FORMAT = 1
@@ -30,9 +30,8 @@ def digest(obj: Any) -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """temp file + fsync + rename + directory fsync: the file is complete or absent, never partial."""
-    with atomic_file(path, "wb") as fh:
+    with atomic_file(path, "wb", sync_dir=True) as fh:
         fh.write(data)
-    fsync_path(path.parent)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -87,13 +86,12 @@ class Parts:
     def merge(self, num_shards: int) -> str:
         """Concatenate the shards into OUTPUT atomically; returns its sha256."""
         h = hashlib.sha256()
-        with atomic_file(self.output, "wb") as out:
+        with atomic_file(self.output, "wb", sync_dir=True) as out:
             for i in range(num_shards):
                 with open(self.shard_file(i), "rb") as fh:
                     data = fh.read()
                 h.update(data)
                 out.write(data)
-        fsync_path(self.output.parent)
         return h.hexdigest()
 
     def remove_stale_temps(self) -> None:

@@ -28,6 +28,8 @@ def _address(name: str) -> str | bytes:
     return "\0" + name[1:] if name.startswith("@") else name  # '@' = the abstract namespace
 
 
+# module_utils/dflash_supervisor.py's parse_notify is a copy (the supervisor imports only the standard library);
+# tests/distributed/test_notify.py checks that the two read datagrams alike.
 def parse(data: bytes) -> dict[str, str]:
     fields = {}
     for line in data.decode(errors="replace").splitlines():

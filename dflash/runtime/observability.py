@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import DiskFull
-from dflash.fileio import NO_SPACE, append_line, temp_sibling
+from dflash.fileio import NO_SPACE, append_line, atomic_file
 from dflash.logs import get_logger
 from dflash.runtime.trackers import RunTrackers
 
@@ -18,13 +18,12 @@ log = get_logger(__name__)
 
 
 def atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    """Not fsynced (the heartbeat is rewritten every few steps): atomic against a reader, not against a crash."""
     text = json.dumps(data)
-    tmp = temp_sibling(path)
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        with atomic_file(path, durable=False, disk_full=False) as fh:
+            fh.write(text)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         if exc.errno not in NO_SPACE or not path.is_file():
             raise
         # disk full: rewrite the existing small file in place (its blocks are allocated already), so the

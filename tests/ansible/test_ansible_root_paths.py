@@ -204,6 +204,30 @@ def test_the_environment_file_is_0600_through_ansibles_atomic_move(tmp_path, mod
     assert sorted(p.name for p in state.iterdir()) == ["environment", "hook.sh", "plain"]  # no temp file left
 
 
+
+def test_the_one_atomic_writer_never_follows_a_link_at_its_temp_name_or_its_target(tmp_path):
+    """dflash_host.write_atomic (the module_utils' one writer): a link planted at the temp name is replaced, not
+    written through; a link at the target is replaced by the file; the mode is set before the data is written."""
+    from ansible.module_utils.dflash_host import open_directory_nofollow, write_atomic
+
+    outside = tmp_path / "outside"
+    outside.write_text("keep\n")
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    os.symlink(outside, directory / ".probe.tmp")
+    os.symlink(outside, directory / "probe")
+    fd, _ = open_directory_nofollow(str(directory))
+    try:
+        write_atomic("probe", "token\n", 0o640, tmp_name=".probe.tmp", dir_fd=fd)
+    finally:
+        os.close(fd)
+    assert outside.read_text() == "keep\n"
+    assert not (directory / "probe").is_symlink() and (directory / "probe").read_text() == "token\n"
+    assert (directory / "probe").stat().st_mode & 0o7777 == 0o640
+    write_atomic(str(directory / "unit"), b"[Unit]\n", 0o600)
+    assert (directory / "unit").stat().st_mode & 0o7777 == 0o600
+    assert sorted(p.name for p in directory.iterdir()) == ["probe", "unit"]  # no temp file left
+
 # --- the daemon backend: the watchdog channel and the failure hook --------------------------------------------
 
 LOOP = [sys.executable, "-u", "-c", "import time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.1)"]

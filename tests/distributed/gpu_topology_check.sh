@@ -11,9 +11,8 @@
 # Writes $OUT/topology.txt (one PASS/FAIL line per run with its reason, wall time, last metrics record) and
 # $OUT/topology-logs.txt (all logs). Run outputs (checkpoints) stay under $RUNS_DIR (default /tmp/gpu-topology).
 . "$(dirname "$0")/../../bench/lib.sh" /tmp/gpu-topology-out /tmp/gpu-topology
-cfg="${1:-tests/distributed/configs/gpu-8b.yaml}"
-shift || true
-wanted="${*:-colocated-1 colocated-2 disaggregated-1t1d visible-1 swapped-1t1d}"
+config_and_list tests/distributed/configs/gpu-8b.yaml "colocated-1 colocated-2 disaggregated-1t1d visible-1 swapped-1t1d" "$@"
+wanted=$list
 per_run_limit="${PER_RUN_LIMIT_S:-240}"
 steps="${STEPS:-20}"
 failed=0

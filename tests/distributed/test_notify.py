@@ -20,6 +20,17 @@ from dflash.runtime.notify import Notifier, RankLiveness, parse
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_the_supervisors_copy_of_parse_reads_datagrams_alike():
+    """module_utils/dflash_supervisor.py runs on its own (standard library only), so it has its own parse."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_dflash_supervisor", ROOT / "module_utils" / "dflash_supervisor.py")
+    supervisor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(supervisor)
+    for data in (b"", b"READY=1", b"WATCHDOG=1\nSTATUS=step 3\n", b"X=a=b\nno field\r\nY=", "É=\xff".encode("latin-1")):
+        assert supervisor.parse_notify(data) == parse(data), data
+
+
 @pytest.fixture
 def supervisor():
     """A NOTIFY_SOCKET as systemd offers one (abstract namespace); returns (address, receive)."""

@@ -17,15 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ansible.module_utils
 import pytest
 
 from .conftest import ROOT, load_plugin
 
-sys.path.insert(0, str(ROOT / "module_utils"))
-try:
-    import dflash_pve
-finally:
-    sys.path.pop(0)
+# the module_utils import each other as ansible.module_utils.dflash_* (as Ansible ships them)
+if str(ROOT / "module_utils") not in ansible.module_utils.__path__:
+    ansible.module_utils.__path__.append(str(ROOT / "module_utils"))
+from ansible.module_utils import dflash_pve  # noqa: E402
 
 f = load_plugin("container", "dflash_container")
 

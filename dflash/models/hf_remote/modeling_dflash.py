@@ -91,6 +91,8 @@ def _layout_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, c
     return visible
 
 
+# A copy on purpose of dflash.models.drafter.RMSNorm (this file imports only torch and transformers, for
+# trust_remote_code): tests/test_loading.py checks the imports and that both drafters compute the same.
 class DFlashRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
