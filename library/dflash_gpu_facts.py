@@ -38,7 +38,7 @@ options:
     default: false
   kernel_log:
     description:
-      - With O(health), the kernel's log as the node read it (its C(NVRM: Xid) lines are enough), for a container that
+      - With O(health), the kernel's log as the node read it (its C(NVRM) Xid lines are enough), for a container that
         may not read C(dmesg) (an unprivileged one); the Xids of this container's GPUs are found by bus id.
       - Omitted, C(dmesg) is read here where it may be.
     type: str
