@@ -316,10 +316,14 @@ elapsed_s:
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.dflash_health import check_health
+from ansible.module_utils.dflash_health import HealthRequest, check_health
 from ansible.module_utils.dflash_host import ModuleHost
 from ansible.module_utils.dflash_unit import get_backend, resolve_backend
 from ansible.module_utils.dflash_unit_spec import UnitError, default_state_dir, unit_name
+
+# The options, their types and defaults are the fields of HealthRequest (module_utils/dflash_health.py): their one
+# home. DOCUMENTATION above says the same (tests/ansible/test_ansible_health_request.py checks it).
+ARGUMENT_SPEC = HealthRequest.argument_spec()
 
 
 def launch_started_at(host, backend_name, params):
@@ -334,31 +338,7 @@ def launch_started_at(host, backend_name, params):
 
 
 def main():
-    module = AnsibleModule(
-        argument_spec={
-            "name": {"type": "str", "required": True},
-            "backend": {"type": "str", "default": "auto", "choices": ["auto", "systemd", "daemon"]},
-            "state_dir": {"type": "path"},
-            "log_path": {"type": "path", "required": True},
-            "heartbeat_path": {"type": "path", "required": True},
-            "gpu_ids": {"type": "list", "elements": "int", "default": []},
-            "gpu_min_memory_mib": {"type": "int", "default": 1024},
-            "timeout": {"type": "int", "default": 300},
-            "progress_window": {"type": "int", "default": 120},
-            "start_window": {"type": "int", "default": 0},
-            "first_failure": {"type": "bool", "default": False},
-            "poll_interval": {"type": "int", "default": 5},
-            "log_lines": {"type": "int", "default": 40},
-            "fail_on_unhealthy": {"type": "bool", "default": True},
-            "node_heartbeat_path": {"type": "path"},
-            "node_rank": {"type": "int", "default": 0},
-            "nodes": {"type": "list", "elements": "str", "default": []},
-            "dump_stacks": {"type": "bool", "default": False},
-            "watchdog": {"type": "int", "default": 0},
-            "world_size": {"type": "int", "default": 0},
-        },
-        supports_check_mode=True,
-    )
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
     params = dict(module.params)
     params["state_dir"] = params["state_dir"] or default_state_dir(params["name"])
     host = ModuleHost(module)

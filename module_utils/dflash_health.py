@@ -34,8 +34,10 @@ stop timeout (137) reads as ``crashed``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+import typing
 
 from ansible.module_utils.dflash_gpu import GpuQueryError, format_gpu_table, gpu_faults, query_gpus
 from ansible.module_utils.dflash_host import tail_lines_checked
@@ -45,6 +47,92 @@ from ansible.module_utils.dflash_unit_procs import pid_alive, proc_stat_fields
 from ansible.module_utils.dflash_unit_records import is_running
 from ansible.module_utils.dflash_untrusted import read_heartbeat as read_heartbeat_file
 from ansible.module_utils.dflash_untrusted import read_node_file, read_word
+
+# An Ansible `path` option: a str whose ~ and variables the module expands.
+Path = typing.NewType("Path", str)
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthRequest:
+    """What one health check is asked: the options of the module dflash_health, each with its type and its only default.
+
+    The module's argument_spec is ``HealthRequest.argument_spec()`` (a field without a default is required, ``Path``
+    is Ansible's ``path``, ``list[int]`` a list of int elements, ``X | None`` an option without a default); its
+    DOCUMENTATION lists the same options (tests/ansible/test_ansible_health_request.py). ``check_health`` and
+    ``HealthTracker`` take the fields as a dict and fill the ones they are not given from here
+    (``HealthRequest.with_defaults``). A new option: a field here, its entry in DOCUMENTATION, its use below.
+    """
+
+    name: str
+    log_path: Path
+    heartbeat_path: Path
+    backend: str = dataclasses.field(default="auto", metadata={"choices": ("auto", "systemd", "daemon")})
+    state_dir: Path | None = None
+    gpu_ids: list[int] = dataclasses.field(default_factory=list)
+    gpu_min_memory_mib: int = 1024
+    timeout: int = 300
+    progress_window: int = 120
+    start_window: int = 0
+    first_failure: bool = False
+    poll_interval: int = 5
+    log_lines: int = 40
+    fail_on_unhealthy: bool = True
+    node_heartbeat_path: Path | None = None
+    node_rank: int = 0
+    nodes: list[str] = dataclasses.field(default_factory=list)
+    dump_stacks: bool = False
+    world_size: int = 0
+    watchdog: int = 0
+
+    @classmethod
+    def defaults(cls):
+        """Every field that has a default, with it (a fresh list for a list)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+        return out
+
+    @classmethod
+    def with_defaults(cls, params):
+        """``params`` with the defaults of the fields it does not give (other keys kept)."""
+        return {**cls.defaults(), **params}
+
+    @classmethod
+    def argument_spec(cls):
+        """The AnsibleModule argument_spec of these fields."""
+        hints = typing.get_type_hints(cls)
+        defaults = cls.defaults()
+        spec = {}
+        for f in dataclasses.fields(cls):
+            option = _ansible_type(hints[f.name])
+            if f.name not in defaults:
+                option["required"] = True
+            elif defaults[f.name] is not None:
+                option["default"] = defaults[f.name]
+            if "choices" in f.metadata:
+                option["choices"] = list(f.metadata["choices"])
+            spec[f.name] = option
+        return spec
+
+
+_ANSIBLE_TYPES = {str: "str", int: "int", bool: "bool", float: "float", dict: "dict", Path: "path"}
+
+
+def _ansible_type(hint):
+    """{"type": ...} (and "elements" for a list) of a field's type hint; ``X | None`` is X."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        (hint,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        (element,) = typing.get_args(hint)
+        return {"type": "list", "elements": _ANSIBLE_TYPES[element]}
+    if hint not in _ANSIBLE_TYPES:
+        raise TypeError(f"no Ansible option type for {hint!r}")
+    return {"type": _ANSIBLE_TYPES[hint]}
+
 
 INVARIANTS = ("log", "unit", "gpu", "progress", "joined")
 TRAINING, FINISHED, STARTING, HUNG, CRASHED, FAILED_TO_START, STOPPED, LOST, DRIVER_MISMATCH = (
@@ -225,11 +313,11 @@ class HealthTracker:
     """
 
     def __init__(self, params, snapshot=False):
-        self.params = params
+        self.params = params = HealthRequest.with_defaults(params)
         self.snapshot = snapshot
-        self.window = float(params.get("progress_window", 120))
+        self.window = float(params["progress_window"])
         # how long a launch may keep saying `starting` (refreshed: it is alive and loading) before it is hung
-        self.start_window = max(float(params.get("start_window") or 0), self.window)
+        self.start_window = max(float(params["start_window"] or 0), self.window)
         self.started = None
         self.first_log_size = None
         self.log_grew = False
@@ -563,7 +651,8 @@ def check_health(host, params, status_probe, wall_clock=time.time):
     ``status_probe()`` returns the unit status dict (see dflash_unit backends), optionally with
     ``started_at``. ``timeout: 0`` takes one snapshot.
     """
-    timeout = float(params.get("timeout", 300))
+    params = HealthRequest.with_defaults(params)
+    timeout = float(params["timeout"])
     tracker = HealthTracker(params, snapshot=timeout <= 0)
     start = host.now()
     polls = 0
@@ -573,10 +662,10 @@ def check_health(host, params, status_probe, wall_clock=time.time):
         failures = tracker.update(obs, now)
         if not failures or any(f["final"] for f in failures) or now - start >= timeout:
             break
-        host.sleep(min(_sleep_for(params.get("poll_interval", 5), polls), max(0.0, timeout - (now - start))) or 0.1)
+        host.sleep(min(_sleep_for(params["poll_interval"], polls), max(0.0, timeout - (now - start))) or 0.1)
         polls += 1
     elapsed = host.now() - start
-    log_tail, log_unsafe = tail_lines_checked(params["log_path"], int(params.get("log_lines", 40)))
+    log_tail, log_unsafe = tail_lines_checked(params["log_path"], int(params["log_lines"]))
     healthy = not failures
     state = tracker.state
     # Only this launch's heartbeat speaks for the job; a rate is reported only while it trains.

@@ -108,12 +108,29 @@ def test_status_yml_shows_the_last_checkpoint_and_the_watchdog(tmp_path):
 
 
 def _tasks(path):
-    """Every task of a tasks file, blocks flattened."""
+    """Every task of a tasks file, blocks flattened, the job's health check as it runs (_as_run)."""
     out = []
     for task in yaml.safe_load(path.read_text()) or []:
         out.append(task)
         out.extend(t for t in task.get("block", []) + task.get("rescue", []) + task.get("always", []))
-    return out
+    return [_as_run(t) for t in out]
+
+
+def _as_run(task):
+    """A task that imports roles/job/tasks/health.yml (the role's one dflash_health call) as Ansible runs it: the
+    shared task with the caller's `when` and the caller's choices (its name, its timeout, in the background or not);
+    any other task as it is."""
+    if task.get("ansible.builtin.import_tasks") != "health.yml":
+        return task
+    [shared] = yaml.safe_load((TASKS / "health.yml").read_text())
+    chosen = task.get("vars") or {}
+    check = {key: value for key, value in shared.items() if key not in ("async", "poll")}
+    check.update(name=chosen["_dflash_job_health_task"], when=task.get("when"))
+    check["dflash_health"] = {**shared["dflash_health"],
+                              "timeout": chosen.get("_dflash_job_health_timeout", shared["dflash_health"]["timeout"])}
+    if chosen.get("_dflash_job_health_background") is True:  # else async 0: an ordinary task
+        check.update({"async": shared["async"], "poll": shared["poll"]})
+    return check
 
 
 def _prints_a_diagnosis(task):
@@ -391,7 +408,7 @@ def _all_tasks(path):
                 walk(task.get(key))
 
     walk(yaml.safe_load(path.read_text()))
-    return out
+    return [_as_run(t) for t in out]
 
 
 @pytest.mark.parametrize("path, module", [
@@ -409,7 +426,10 @@ def test_every_long_task_runs_in_the_background_and_its_wait_says_what_it_waits_
     waits = [t for t in tasks if "dflash_wait" in t]
     assert len(waits) == len(started), path
     for start in started:
-        [wait] = [w for w in waits if w["dflash_wait"]["jid"] == "{{ " + start["register"] + ".ansible_job_id }}"]
+        # its wait: the first one after it (the job's health checks share one register, _dflash_job_health)
+        after = next(i for i, t in enumerate(tasks) if t is start)
+        wait = next(w for w in tasks[after:] if "dflash_wait" in w)
+        assert wait["dflash_wait"]["jid"] == "{{ " + start["register"] + ".ansible_job_id }}", (path, wait["name"])
         assert wait["dflash_wait"]["what"] and wait.get("when") == start.get("when"), (path, wait["name"])
         assert wait["dflash_wait"].get("log"), (path, wait["name"])  # it says what is happening, not only that it waits
     # no pip install and no health window left in the foreground (a task that prints nothing for minutes); the
